@@ -1,0 +1,18 @@
+"""autoparallel: automatic parallelization of PyTorch training over a device mesh.
+
+``autoparallelize(model, meta_inputs, device_mesh=mesh)`` returns a module that trains on
+every device of the mesh and computes what the single-device model computes;
+``plan(model, meta_inputs, mesh_shape=...)`` runs the same search with no devices.
+"""
+
+from .api import autoparallelize, plan
+from .codegen import ParallelModule
+from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
+                     MeshMismatchError, ShardingRuleError)
+from .mesh import MeshSpec
+from .plan import Plan
+from .solver import CostModel, DevicePreset
+
+__all__ = ["autoparallelize", "plan", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
+           "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
+           "MeshMismatchError", "ShardingRuleError"]

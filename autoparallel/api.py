@@ -1,0 +1,140 @@
+"""The one-line API: orchestration of the stages (the only module that knows them all)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .codegen import ParallelModule
+from .errors import MeshMismatchError
+from .mesh import MeshSpec
+from .passes import apply_plan
+from .placement import R
+from .plan import Plan
+from .solver import CostModel
+from .solver.planner import Planner
+from .strategies import StrategyGenerator
+from .tracer import ColoTracer
+
+log = logging.getLogger("autoparallel")
+
+
+def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism):
+    t0 = time.perf_counter()
+    gen = StrategyGenerator(mesh.shape, strict=strict)
+    strategies = gen.generate(traced.gm)
+    if parallelism == "data":
+        repl = (R,) * mesh.ndim
+        for node in strategies:
+            if node.op == "get_attr":
+                strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
+    elif parallelism != "auto":
+        raise ValueError(f"parallelism must be 'auto' or 'data', not {parallelism!r}")
+    t1 = time.perf_counter()
+    names = dict(traced.params)
+    names.update(traced.buffers)
+    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model or CostModel(), names)
+    plan = planner.solve(solver=solver, time_limit=time_limit)
+    plan.solver_stats["strategies_s"] = t1 - t0
+    plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
+    return plan
+
+
+def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | None = None,
+         cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
+         time_limit: float = 60.0, parallelism: str = "auto") -> Plan:
+    """Plan how to parallelize ``model`` without any process group.
+
+    Args:
+        model: the model (real or meta-device weights).
+        meta_inputs: dict of keyword arguments or tuple of positional ones, tensors on the
+            meta device (or FakeTensors) with **global** shapes.
+        mesh_shape: devices per mesh axis, e.g. ``(2, 4)``; or give ``mesh``.
+        mesh: a :class:`MeshSpec` (shape, axis names, alpha/beta).
+        cost_model: a :class:`CostModel` (default: A100 preset).
+        strict: error on ops without a sharding rule instead of replicating them.
+        solver: ``"cbc"`` or ``"highs"``.
+        time_limit: seconds for the ILP solver.
+        parallelism: ``"auto"`` (search everything) or ``"data"`` (parameters replicated:
+            prices plain data parallelism under the same cost model).
+
+    Returns:
+        the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds.
+
+    Raises:
+        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`.
+    """
+    if mesh is None:
+        if mesh_shape is None:
+            raise ValueError("plan() needs mesh_shape=(...) or mesh=MeshSpec(...)")
+        mesh = MeshSpec(tuple(mesh_shape))
+    t0 = time.perf_counter()
+    traced = ColoTracer().trace(model, meta_inputs)
+    t_trace = time.perf_counter() - t0
+    p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
+                     time_limit=time_limit, parallelism=parallelism)
+    p.solver_stats["trace_s"] = t_trace
+    return p
+
+
+def _is_simulated() -> bool:
+    return dist.get_backend() == "fake"
+
+
+def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: CostModel | None = None,
+                    strict: bool = False, solver: str = "cbc", time_limit: float = 60.0,
+                    parallelism: str = "auto", mesh_spec: MeshSpec | None = None) -> ParallelModule:
+    """Parallelize ``model`` over ``device_mesh``: the one line.
+
+    Args:
+        model: the model with its real weights (every rank may hold any values: rank 0's
+            are distributed).
+        meta_inputs: dict of keyword arguments or tuple of positional ones: meta tensors
+            or FakeTensors with the **global** batch shapes.
+        device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` spanning the world.
+        cost_model: a :class:`CostModel` (default: A100 preset).
+        strict: error on ops without a sharding rule instead of replicating them.
+        solver / time_limit: the ILP solver and its limit in seconds.
+        parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
+        mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
+
+    Returns:
+        a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
+
+    Raises:
+        MeshMismatchError: the mesh does not span the whole process group.
+        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`.
+    """
+    if not dist.is_initialized():
+        raise MeshMismatchError("autoparallelize needs an initialized process group (torchrun / "
+                                "init_process_group); use autoparallel.plan() to plan without one")
+    world = dist.get_world_size()
+    if device_mesh.size() != world:
+        raise MeshMismatchError(f"the device mesh has {device_mesh.size()} devices (shape "
+                                f"{tuple(device_mesh.mesh.shape)}) but the world size is {world}; "
+                                "build the mesh over all ranks, e.g. init_device_mesh(device, shape) "
+                                "with prod(shape) == world size")
+    mesh = mesh_spec or MeshSpec.from_device_mesh(device_mesh)
+    if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
+        raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
+                                f"{tuple(device_mesh.mesh.shape)}")
+    traced = ColoTracer().trace(model, meta_inputs)
+    if world == 1 or _is_simulated() or dist.get_rank() == 0:
+        p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
+                         time_limit=time_limit, parallelism=parallelism)
+        payload = [p.to_json()]
+    else:
+        payload = [None]
+    if world > 1 and not _is_simulated():
+        dist.broadcast_object_list(payload, src=0)
+        p = Plan.from_json(payload[0])
+    groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
+    targets = set(traced.params) | set(traced.buffers)
+    graph = apply_plan(traced.gm, p, groups, device_mesh.device_type, targets, world)
+    return ParallelModule(model, graph, p, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
+                          input_meta=traced.input_meta, param_names=traced.params,
+                          buffer_names=traced.buffers, constants=traced.constants)

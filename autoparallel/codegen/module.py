@@ -1,0 +1,109 @@
+"""ParallelModule: the emitted module, a recompiled GraphModule on local shards."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import distribute_tensor
+
+from ..errors import InputMismatchError
+from ..plan import Plan
+
+
+def _set_attr(root: nn.Module, fqn: str, value) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for p in path:
+        if p not in mod._modules:
+            mod.add_module(p, nn.Module())
+        mod = mod._modules[p]
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _mesh_coord(device_mesh) -> torch.Tensor:
+    """This device's coordinate on each mesh axis (a LocalTensor under LocalTensorMode)."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    mesh = device_mesh.mesh
+    if mode is not None:
+        def coord(rank: int) -> torch.Tensor:
+            return (mesh == rank).nonzero()[0].to(torch.int64)
+        with mode.disable():
+            per_rank = {r: coord(r) for r in mode.ranks}
+        return mode.rank_map(lambda r: per_rank[r].clone())
+    return torch.tensor(device_mesh.get_coordinate(), dtype=torch.int64)
+
+
+class ParallelModule(nn.Module):
+    """The parallel module: same call signature and outputs as the original model.
+
+    Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh``, registered under
+    the original model's names (tied parameters stay one object), so ``torch.optim``,
+    ``clip_grad_norm_`` and ``state_dict()`` work unchanged. Inputs are the global batch,
+    the same on every rank; outputs are whole (replicated) tensors in the model's output
+    structure (e.g. a Hugging Face ``ModelOutput``).
+
+    Attributes:
+        plan: the :class:`~autoparallel.Plan` the module runs.
+        graph_module: the per-device ``fx.GraphModule``; ``print(pmodel.graph_module.code)``
+            shows its collectives.
+
+    Raises (on call):
+        InputMismatchError: inputs whose structure, shapes or dtypes differ from the
+            planned ones.
+    """
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, plan: Plan, device_mesh, *, in_spec, out_spec,
+                 input_meta, param_names: dict[str, list[str]], buffer_names: dict[str, list[str]],
+                 constants: dict[str, torch.Tensor]):
+        super().__init__()
+        self.plan = plan
+        self.device_mesh = device_mesh
+        self._in_spec, self._out_spec, self._input_meta = in_spec, out_spec, input_meta
+        device = device_mesh.device_type
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(dict(model.named_buffers(remove_duplicate=False)))
+        for target, names in list(param_names.items()) + list(buffer_names.items()):
+            full = state[target].detach().to(device)
+            spec = plan.param_placements[target]
+            dt = distribute_tensor(full, device_mesh, list(spec))
+            value = nn.Parameter(dt, requires_grad=state[target].requires_grad) if target in param_names else dt
+            for name in names:
+                _set_attr(self, name, value)
+        for target, value in constants.items():
+            _set_attr(self, target, value.to(device))
+        gm = fx.GraphModule(self, graph, class_name="ParallelGraph")
+        self.__dict__["graph_module"] = gm  # not a submodule: parameters are listed once, under model names
+        self.__dict__["_coord"] = _mesh_coord(device_mesh)
+
+    def _flat_inputs(self, args, kwargs) -> list:
+        expected_kw = self._in_spec.children_specs[1].context if self._in_spec.num_children > 1 else []
+        if set(kwargs) != set(expected_kw or []):
+            raise InputMismatchError(f"keyword arguments {sorted(kwargs)} differ from the planned ones "
+                                     f"{sorted(expected_kw or [])}")
+        kwargs = {k: kwargs[k] for k in expected_kw}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise InputMismatchError(f"input structure {spec} differs from the planned {self._in_spec}")
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(self._input_meta):
+            raise InputMismatchError(f"{len(tensors)} tensor inputs given, {len(self._input_meta)} planned")
+        for i, (t, (shape, dtype)) in enumerate(zip(tensors, self._input_meta)):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise InputMismatchError(
+                    f"input {i} has shape {tuple(t.shape)} and dtype {t.dtype}, but the plan was made for "
+                    f"shape {tuple(shape)} and dtype {dtype}; call autoparallelize again with meta_inputs "
+                    "of the new shape")
+        return tensors
+
+    def forward(self, *args, **kwargs):
+        tensors = self._flat_inputs(args, kwargs)
+        outs = self.graph_module(self._coord, *tensors)
+        return pytree.tree_unflatten(list(outs), self._out_spec)

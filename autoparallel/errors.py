@@ -1,0 +1,25 @@
+"""Errors raised by autoparallel. Each names the node, op and module path involved."""
+
+
+class AutoParallelError(Exception):
+    """Base class of every error autoparallel raises on purpose."""
+
+
+class CaptureError(AutoParallelError):
+    """torch.export could not capture the model; carries export's reason and the user's line."""
+
+
+class ShardingRuleError(AutoParallelError):
+    """An op has no sharding rule (under ``strict=True``) or a rule failed on a node."""
+
+
+class InfeasiblePlanError(AutoParallelError):
+    """The sharding ILP has no solution; the message says which constraint made it so."""
+
+
+class InputMismatchError(AutoParallelError):
+    """Runtime inputs differ in structure, shape or dtype from the ones the plan was made for."""
+
+
+class MeshMismatchError(AutoParallelError):
+    """The device mesh does not match the process group or the plan."""

@@ -1,0 +1,210 @@
+"""Apply a Plan to the traced graph: the per-device graph with collectives.
+
+The result computes on local shards. Its inputs are ``mesh_coord`` (this device's
+coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
+shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
+shards by :func:`~autoparallel.codegen.runtime.param_local`. Every resharding of the plan
+becomes a straight line of ops: ``_c10d_functional`` collectives followed by
+``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
+arguments of views and expands are rewritten to local shapes, ``device=meta`` to the run
+device, and a batch-split ``cross_entropy_loss`` with mean reduction becomes a local sum
+divided by the global count of kept targets.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..codegen.runtime import param_local, returned
+from ..placement import P, R, Spec, local_shape, partial_axes
+from ..plan import Plan
+from ..solver.layout import Move
+from ..strategies import tensor_inputs
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_SHAPE_ARG_OPS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
+                  aten.expand.default: 1}
+
+
+class _Emitter:
+    def __init__(self, graph: fx.Graph, coord: fx.Node, plan: Plan, group_names: list[str]):
+        self.g = graph
+        self.coord = coord
+        self.plan = plan
+        self.groups = group_names
+        self.mesh_shape = plan.mesh.shape
+        self._coord_axis: dict[int, fx.Node] = {}
+        self._first: dict[int, fx.Node] = {}
+
+    def call(self, target, *args):
+        return self.g.call_function(target, tuple(args))
+
+    def wait(self, x):
+        return self.call(c10d.wait_tensor.default, x)
+
+    def coord_of(self, a: int) -> fx.Node:
+        if a not in self._coord_axis:
+            self._coord_axis[a] = self.call(aten.slice.Tensor, self.coord, 0, a, a + 1)
+        return self._coord_axis[a]
+
+    def emit(self, x: fx.Node, shape, spec: Spec, moves: list[Move]) -> fx.Node:
+        """Emit ``moves`` converting ``x`` (global ``shape``, current ``spec``)."""
+        for m in moves:
+            a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
+            loc = local_shape(shape, spec, self.mesh_shape)
+            if m.kind == "all_gather":
+                t = x if m.src_dim == 0 else self.call(aten.movedim.int, x, m.src_dim, 0)
+                t = self.call(aten.contiguous.default, t)
+                x = self.wait(self.call(c10d.all_gather_into_tensor.default, t, n, grp))
+                if m.src_dim != 0:
+                    x = self.call(aten.movedim.int, x, 0, m.src_dim)
+                spec = spec[:a] + (R,) + spec[a + 1:]
+            elif m.kind == "reduce_scatter":
+                t = x if m.dst_dim == 0 else self.call(aten.movedim.int, x, m.dst_dim, 0)
+                t = self.call(aten.contiguous.default, t)
+                x = self.wait(self.call(c10d.reduce_scatter_tensor.default, t, "sum", n, grp))
+                if m.dst_dim != 0:
+                    x = self.call(aten.movedim.int, x, 0, m.dst_dim)
+                spec = spec[:a] + (torch.distributed.tensor.Shard(m.dst_dim),) + spec[a + 1:]
+            elif m.kind == "all_reduce":
+                t = self.call(aten.contiguous.default, x)
+                x = self.wait(self.call(c10d.all_reduce.default, t, "sum", grp))
+                spec = spec[:a] + (R,) + spec[a + 1:]
+            elif m.kind == "all_to_all":
+                d, d2 = m.src_dim, m.dst_dim
+                t = self.call(aten.contiguous.default, self.call(aten.movedim.int, x, d2, 0))
+                chunk = loc[d2] // n
+                y = self.wait(self.call(c10d.all_to_all_single.default, t, [chunk] * n, [chunk] * n, grp))
+                pieces = self.call(aten.split.Tensor, y, chunk, 0)
+                items = [self.call(operator.getitem, pieces, i) for i in range(n)]
+                pos = d + 1 if d < d2 else d
+                x = self.call(aten.movedim.int, self.call(aten.cat.default, items, pos), 0, d2)
+                spec = spec[:a] + (torch.distributed.tensor.Shard(d2),) + spec[a + 1:]
+            elif m.kind == "slice":
+                d = m.dst_dim
+                u = self.call(aten.unflatten.int, x, d, [n, loc[d] // n])
+                x = self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
+                spec = spec[:a] + (torch.distributed.tensor.Shard(d),) + spec[a + 1:]
+            elif m.kind == "mask":
+                if a not in self._first:
+                    self._first[a] = self.call(aten.eq.Scalar, self.coord_of(a), 0)
+                x = self.call(aten.mul.Tensor, x, self._first[a])
+                spec = spec[:a] + (P,) + spec[a + 1:]
+            else:
+                raise ValueError(f"unknown move {m.kind}")
+        return x
+
+
+def _replace_device(v, device):
+    if isinstance(v, torch.device) and v.type == "meta":
+        return torch.device(device)
+    return v
+
+
+def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
+               param_targets: set[str], world_size: int) -> fx.Graph:
+    """Build the per-device graph for ``plan``.
+
+    Args:
+        gm: the traced graph the plan was made for.
+        plan: the plan (node names must match ``gm``).
+        group_names: c10d process-group name of each mesh axis.
+        device: device type the module runs on (e.g. ``"cpu"``, ``"cuda"``).
+        param_targets: ``get_attr`` targets that are parameters or buffers (DTensors).
+        world_size: number of devices in the mesh.
+
+    Raises:
+        KeyError: when the plan does not describe a node of ``gm``.
+    """
+    graph = fx.Graph()
+    coord = graph.placeholder("mesh_coord")
+    em = _Emitter(graph, coord, plan, group_names)
+    env: dict[fx.Node, fx.Node] = {}
+    conv = {(c.dst, c.arg): c for c in plan.conversions}
+    converted: dict[tuple, fx.Node] = {}
+    ms = plan.mesh.shape
+
+    def value_spec(x: fx.Node) -> Spec:
+        return plan.nodes[x.name].output_specs[0]
+
+    def fetch(dst_name: str, j: int, x: fx.Node) -> fx.Node:
+        c = conv.get((dst_name, j))
+        if c is None:
+            return env[x]
+        key = (x, tuple(m.to_json().__repr__() for m in c.moves))
+        if key not in converted:
+            converted[key] = em.emit(env[x], c.shape, value_spec(x), c.moves)
+        return converted[key]
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+        elif node.op == "get_attr":
+            attr = graph.get_attr(node.target)
+            if node.target in param_targets:
+                spec = plan.nodes[node.name].output_specs[0]
+                groups = tuple(group_names[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
+                env[node] = graph.call_function(param_local, (attr, groups))
+            else:
+                env[node] = attr
+        elif node.op == "call_function":
+            np_ = plan.nodes[node.name]
+            leaves, spec_tree = pytree.tree_flatten((node.args, node.kwargs))
+            new_leaves = [env[x] if isinstance(x, fx.Node) else _replace_device(x, device) for x in leaves]
+            for j, (li, x) in enumerate(tensor_inputs(node)):
+                new_leaves[li] = fetch(node.name, j, x)
+            args, kwargs = pytree.tree_unflatten(new_leaves, spec_tree)
+            if node.target in _SHAPE_ARG_OPS and np_.output_specs:
+                i = _SHAPE_ARG_OPS[node.target]
+                loc = local_shape(np_.out_shapes[0], np_.output_specs[0], ms)
+                old = list(args[i])
+                args = list(args)
+                args[i] = [-1 if (node.target == aten.expand.default and s == -1) else l
+                           for s, l in zip(old, loc)]
+                args = tuple(args)
+            if node.target == aten.cross_entropy_loss.default and partial_axes(np_.output_specs[0]):
+                env[node] = _sharded_mean_cross_entropy(graph, em, args, kwargs, np_.output_specs[0])
+                continue
+            new = graph.call_function(node.target, tuple(args), kwargs)
+            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+            env[node] = new
+        elif node.op == "output":
+            outs = []
+            for j, x in enumerate(pytree.tree_leaves(node.args[0])):
+                if not isinstance(x, fx.Node):
+                    outs.append(x)
+                    continue
+                y = fetch("output", j, x)
+                if isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].dtype.is_floating_point:
+                    y = graph.call_function(returned, (y, world_size))
+                outs.append(y)
+            graph.output(tuple(outs))
+    graph.eliminate_dead_code()
+    graph.lint()
+    return graph
+
+
+def _sharded_mean_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:
+    """cross_entropy(mean) on a batch split over mesh axes: local sum / global kept count."""
+    names = ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
+    vals = dict(zip(names, args))
+    vals.update(kwargs)
+    x, t = vals["self"], vals["target"]
+    ignore = vals.get("ignore_index", -100)
+    reduction = vals.get("reduction", 1)
+    loss = graph.call_function(aten.cross_entropy_loss.default, (x, t, None, 2, ignore))
+    if reduction == 2:
+        return loss
+    kept = graph.call_function(aten.ne.Scalar, (t, ignore))
+    cnt = graph.call_function(aten.sum.default, (kept,))
+    cnt = graph.call_function(aten._to_copy.default, (cnt,), {"dtype": torch.float32})
+    for a in partial_axes(out_spec):
+        cnt = em.wait(em.call(c10d.all_reduce.default, cnt, "sum", em.groups[a]))
+    return graph.call_function(aten.div.Tensor, (loss, cnt))

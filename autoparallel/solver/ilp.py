@@ -1,0 +1,163 @@
+"""The sharding ILP (Alpa, Zheng et al., OSDI 2022, arXiv 2201.12023, §4.2), solved with pulp.
+
+Variables: a one-hot binary vector ``x_v`` per node over its strategies. Resharding
+between a producer ``u`` and a consumer ``v`` depends only on the *spec* that ``u``'s
+strategy gives the value and the spec that ``v``'s strategy asks for, so strategies are
+grouped into spec classes on each side of an edge and the quadratic term
+``x_uᵀ R x_v`` is linearized with one variable ``y[o, i]`` per pair of classes:
+``Σ_i y[o, i] = Σ_{s ∈ o} x_u[s]`` and ``Σ_o y[o, i] = Σ_{s ∈ i} x_v[s]``. With one-hot
+integral ``x`` these marginals force ``y`` to the product, so ``y`` can stay continuous
+in [0, 1]: only node variables are binary. Pairs with no conversion are left out, which
+forbids them. Edges where one side has a single class fold into node costs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from ..errors import InfeasiblePlanError
+
+
+@dataclass
+class ILPEdge:
+    """Resharding between nodes ``u`` and ``v``: ``u_class[s]`` / ``v_class[s]`` map each
+    strategy to its spec class; ``cost[o][i]`` is the seconds to convert class ``o`` to
+    class ``i`` (``inf`` when impossible)."""
+
+    u: int
+    v: int
+    u_class: list[int]
+    v_class: list[int]
+    cost: list[list[float]]
+
+
+@dataclass
+class ILPProblem:
+    """Node cost vectors (seconds per strategy), edges, and names for error messages."""
+
+    node_costs: list[list[float]]
+    edges: list[ILPEdge]
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ILPSolution:
+    choice: list[int]
+    objective: float
+    stats: dict
+
+
+SOLVERS = ("cbc", "highs")
+
+
+def _make_solver(name: str, time_limit: float):
+    if name == "cbc":
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+    if name == "highs":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit)
+    raise ValueError(f"unknown solver {name!r}; choose one of {SOLVERS}")
+
+
+def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0) -> ILPSolution:
+    """Pick one strategy per node minimizing node plus resharding seconds.
+
+    Args:
+        problem: the ILP description.
+        solver: ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (needs ``highspy``).
+        time_limit: seconds the solver may run; the best solution found by then is used.
+
+    Returns:
+        the chosen strategy index per node, the objective (s) and solver statistics.
+
+    Raises:
+        InfeasiblePlanError: when no assignment satisfies the constraints (e.g. an edge
+            whose every conversion is impossible), naming the nodes involved.
+    """
+    t0 = time.perf_counter()
+    n = len(problem.node_costs)
+    for v, costs in enumerate(problem.node_costs):
+        if not costs:
+            raise InfeasiblePlanError(f"node {problem.names[v] if problem.names else v} has no strategy")
+    lin = [list(c) for c in problem.node_costs]  # node costs plus folded edge costs
+    pair_edges = []
+    for e in problem.edges:
+        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
+        if ni == 1:
+            for s, o in enumerate(e.u_class):
+                lin[e.u][s] += e.cost[o][0]
+            continue
+        if no == 1:
+            for s, i in enumerate(e.v_class):
+                lin[e.v][s] += e.cost[0][i]
+            continue
+        pair_edges.append(e)
+    # strategies with infinite cost are impossible
+    for v in range(n):
+        if all(math.isinf(c) for c in lin[v]):
+            raise InfeasiblePlanError(
+                f"every strategy of node {problem.names[v] if problem.names else v} needs an impossible "
+                "layout conversion")
+    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+    x = []
+    objective = []
+    n_bin = 0
+    for v in range(n):
+        costs = lin[v]
+        finite = [s for s, c in enumerate(costs) if not math.isinf(c)]
+        if len(costs) == 1:
+            x.append([1])
+            continue
+        xs = {}
+        for s in finite:
+            xs[s] = pulp.LpVariable(f"x{v}_{s}", cat="Binary")
+            n_bin += 1
+            objective.append(costs[s] * xs[s])
+        prob += pulp.lpSum(xs.values()) == 1, f"onehot{v}"
+        x.append([xs.get(s, 0) for s in range(len(costs))])
+    n_cont = 0
+    for k, e in enumerate(pair_edges):
+        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
+        y = {}
+        for o in range(no):
+            for i in range(ni):
+                c = e.cost[o][i]
+                if math.isinf(c):
+                    continue
+                y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
+                n_cont += 1
+                if c:
+                    objective.append(c * y[o, i])
+        for o in range(no):
+            prob += (pulp.lpSum(y[o, i] for i in range(ni) if (o, i) in y)
+                     == pulp.lpSum(x[e.u][s] for s, c in enumerate(e.u_class) if c == o)), f"eu{k}_{o}"
+        for i in range(ni):
+            prob += (pulp.lpSum(y[o, i] for o in range(no) if (o, i) in y)
+                     == pulp.lpSum(x[e.v][s] for s, c in enumerate(e.v_class) if c == i)), f"ev{k}_{i}"
+    prob += pulp.lpSum(objective)
+    t_build = time.perf_counter() - t0
+    status = prob.solve(_make_solver(solver, time_limit))
+    t_solve = time.perf_counter() - t0 - t_build
+    status_name = pulp.LpStatus[status]
+    if status_name not in ("Optimal",) and pulp.value(prob.objective) is None:
+        raise InfeasiblePlanError(
+            f"the sharding ILP is {status_name.lower()}: no combination of strategies connects every "
+            "producer to its consumers. Check for ops whose rules allow no common layout; run with "
+            "strict=False or a smaller mesh")
+    choice = []
+    for v in range(n):
+        if len(lin[v]) == 1:
+            choice.append(0)
+            continue
+        vals = [(pulp.value(xv) or 0.0) if not isinstance(xv, int) else xv for xv in x[v]]
+        choice.append(max(range(len(vals)), key=lambda s: vals[s]))
+    obj = sum(lin[v][choice[v]] for v in range(n))
+    for e in pair_edges:
+        obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
+    stats = {"solver": solver, "status": status_name, "binary_vars": n_bin, "edge_vars": n_cont,
+             "constraints": len(prob.constraints), "build_s": t_build, "solve_s": t_solve,
+             "objective_s": obj}
+    return ILPSolution(choice, obj, stats)

@@ -1,0 +1,145 @@
+"""Layout conversion: the cheapest sequence of one-step moves between two specs.
+
+Moves, each along one mesh axis ``a``:
+
+=================  =====================  ==============  ===========================
+move               from → to (on axis a)  forward         backward
+=================  =====================  ==============  ===========================
+``all_gather``     S(d) → R               all-gather      reduce-scatter
+``all_to_all``     S(d) → S(d')           all-to-all      all-to-all
+``slice``          R → S(d)               local chunk     none (partial gradient)
+``all_reduce``     P → R                  all-reduce      all-reduce
+``reduce_scatter`` P → S(d)               reduce-scatter  all-gather
+``mask``           R → P                  keep on coord 0 none
+=================  =====================  ==============  ===========================
+
+A dim split over several axes is split in ascending axis order, so only its last axis
+can be gathered and a new axis can only be appended after the existing ones. Gradients
+of replicated tensors are carried as per-device partial sums (DESIGN §2), which is why a
+slice needs no backward collective. The search is Dijkstra's algorithm over specs with
+each move weighted by its forward and (when a gradient flows) backward cost, run once
+per (shape, dtype, source) and memoized.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ..placement import P, R, Spec, local_shape, shard_axes
+from .costs import CostModel
+
+_CONJUGATE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+              "all_reduce": "all_reduce"}
+_LOCAL_MOVE_COST = 1e-9  # local slices/masks are free but should not be taken for nothing
+
+
+@dataclass(frozen=True)
+class Move:
+    """One step of a conversion: ``kind`` along mesh ``axis``; ``src_dim``/``dst_dim`` are
+    the tensor dims involved (``None`` where not applicable); ``nbytes`` the bytes the
+    collective moves (as in :meth:`CostModel.collective_time`)."""
+
+    kind: str
+    axis: int
+    src_dim: int | None
+    dst_dim: int | None
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes]
+
+    @classmethod
+    def from_json(cls, v) -> "Move":
+        return cls(*v)
+
+
+class LayoutConverter:
+    """Memoized shortest conversion paths between specs of tensors of one mesh.
+
+    Args:
+        cost_model: a bound :class:`CostModel` (its mesh gives axis sizes, alpha, beta).
+    """
+
+    def __init__(self, cost_model: CostModel):
+        self.cm = cost_model
+        self.mesh_shape = cost_model.mesh.shape
+        self._memo: dict = {}
+
+    def _neighbors(self, spec: Spec, shape, itemsize: int, is_float: bool):
+        ms = self.mesh_shape
+        loc = local_shape(shape, spec, ms)
+        nbytes = itemsize
+        for s in loc:
+            nbytes *= s
+        for a, p in enumerate(spec):
+            n = ms[a]
+            if n == 1:
+                continue
+            if isinstance(p, Shard):
+                d = p.dim
+                if shard_axes(spec, d)[-1] != a:
+                    continue
+                yield Move("all_gather", a, d, None, nbytes * n), spec[:a] + (R,) + spec[a + 1:]
+                for d2 in range(len(shape)):
+                    axes2 = shard_axes(spec, d2)
+                    if d2 != d and (not axes2 or axes2[-1] < a) and loc[d2] % n == 0:
+                        yield Move("all_to_all", a, d, d2, nbytes), spec[:a] + (Shard(d2),) + spec[a + 1:]
+            elif isinstance(p, Replicate):
+                for d in range(len(shape)):
+                    axes = shard_axes(spec, d)
+                    if (not axes or axes[-1] < a) and loc[d] % n == 0:
+                        yield Move("slice", a, None, d, 0), spec[:a] + (Shard(d),) + spec[a + 1:]
+                if is_float:
+                    yield Move("mask", a, None, None, 0), spec[:a] + (P,) + spec[a + 1:]
+            elif isinstance(p, Partial):
+                yield Move("all_reduce", a, None, None, nbytes), spec[:a] + (R,) + spec[a + 1:]
+                for d in range(len(shape)):
+                    axes = shard_axes(spec, d)
+                    if (not axes or axes[-1] < a) and loc[d] % n == 0:
+                        yield Move("reduce_scatter", a, None, d, nbytes), spec[:a] + (Shard(d),) + spec[a + 1:]
+
+    def move_cost(self, m: Move, requires_grad: bool) -> float:
+        """Forward (+ backward when a gradient flows) seconds of one move."""
+        if m.kind in ("slice", "mask"):
+            return _LOCAL_MOVE_COST
+        t = self.cm.collective_time(m.kind, m.axis, m.nbytes)
+        if requires_grad:
+            t += self.cm.collective_time(_CONJUGATE[m.kind], m.axis, m.nbytes)
+        return t
+
+    def paths_from(self, shape: Sequence[int], itemsize: int, is_float: bool, src: Spec,
+                   requires_grad: bool) -> dict[Spec, tuple[float, tuple[Move, ...]]]:
+        """Cheapest cost and moves from ``src`` to every reachable spec."""
+        key = (tuple(shape), itemsize, is_float, src, requires_grad)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        best: dict[Spec, tuple[float, tuple[Move, ...]]] = {src: (0.0, ())}
+        counter = itertools.count()
+        heap = [(0.0, next(counter), src)]
+        done = set()
+        while heap:
+            cost, _, spec = heapq.heappop(heap)
+            if spec in done:
+                continue
+            done.add(spec)
+            path = best[spec][1]
+            for move, nxt in self._neighbors(spec, shape, itemsize, is_float):
+                c = cost + self.move_cost(move, requires_grad)
+                if nxt not in best or c < best[nxt][0] - 1e-15:
+                    best[nxt] = (c, path + (move,))
+                    heapq.heappush(heap, (c, next(counter), nxt))
+        self._memo[key] = best
+        return best
+
+    def convert(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool
+                ) -> tuple[float, tuple[Move, ...]]:
+        """``(seconds, moves)`` of the cheapest conversion; ``(inf, ())`` when impossible."""
+        if src == dst:
+            return 0.0, ()
+        return self.paths_from(shape, itemsize, is_float, src, requires_grad).get(dst, (float("inf"), ()))

@@ -1,0 +1,199 @@
+"""Turn a traced graph and its strategies into an ILP, solve it, and build the Plan."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.fx as fx
+
+from ..mesh import MeshSpec
+from ..placement import P, R, Spec, local_shape, partial_axes, shard_fraction
+from ..plan import Conversion, NodePlan, Plan
+from ..strategies import Strategy, tensor_inputs
+from ..tracer.annotate import node_info
+from .costs import CostModel
+from .ilp import ILPEdge, ILPProblem, solve
+from .layout import LayoutConverter
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+def _local_bytes(shape, dtype, spec, mesh_shape) -> int:
+    return math.prod(local_shape(shape, spec, mesh_shape)) * dtype.itemsize
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op in ("placeholder", "get_attr"):
+        return node.op
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class Planner:
+    """Prices every strategy and resharding edge of a graph and solves for the plan.
+
+    Args:
+        gm: the traced graph (annotated by the tracer).
+        strategies: node → strategies (from the strategy generator).
+        aliases: getitem node → (producer, output index).
+        mesh: the MeshSpec.
+        cost_model: a :class:`CostModel` (bound to ``mesh`` here).
+        param_names: graph target → all names of that parameter/buffer.
+    """
+
+    def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names):
+        self.gm = gm
+        self.strategies = strategies
+        self.aliases = aliases
+        self.mesh = mesh
+        self.cm = cost_model.bind(mesh)
+        self.layout = LayoutConverter(self.cm)
+        self.param_names = param_names
+        self.nodes = list(strategies)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+
+    # ------------------------------------------------------------ pricing
+    def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
+        return self.aliases.get(x, (x, 0))
+
+    def node_cost(self, node: fx.Node, s: Strategy) -> tuple[float, float, int]:
+        """(compute s, own communication s, memory bytes) of ``node`` under ``s``."""
+        info = node_info(node)
+        ms = self.mesh.shape
+        out_bytes = sum(_local_bytes(sh, dt, sp, ms) for (sh, dt), sp in zip(info.outputs, s.outputs))
+        if node.op == "get_attr":
+            comm = 0.0
+            if info.requires_grad:
+                for a, p in enumerate(s.outputs[0]):
+                    if p == R:
+                        comm += self.cm.collective_time("all_reduce", a, out_bytes)
+            return 0.0, comm, out_bytes * (2 if info.requires_grad else 1)
+        if node.op == "placeholder":
+            return 0.0, 0.0, 0
+        in_bytes = sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
+                       for (_, x), sp in zip(tensor_inputs(node), s.inputs))
+        compute = self.cm.compute_time(node.target, info.flops / s.split, in_bytes + out_bytes,
+                                       info.dtype if info.outputs else None, info.requires_grad)
+        comm = 0.0
+        if node.target == aten.cross_entropy_loss.default:
+            for a in partial_axes(s.outputs[0]):  # global count of kept targets
+                comm += self.cm.collective_time("all_reduce", a, 8)
+        return compute, comm, out_bytes
+
+    def _convert(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
+        shape, dtype = node_info(val[0]).outputs[val[1]]
+        return self.layout.convert(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
+
+    def _edges(self):
+        """(consumer index or -1 for the output, arg position, value, requires_grad)."""
+        for node in self.nodes:
+            if node.op != "call_function":
+                continue
+            for j, (_, x) in enumerate(tensor_inputs(node)):
+                yield node, j, self._value(x), node_info(x).requires_grad
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        for j, x in enumerate(_output_leaves(out)):
+            yield None, j, self._value(x), node_info(x).requires_grad
+
+    # ------------------------------------------------------------ solve
+    def build_problem(self) -> tuple[ILPProblem, list]:
+        costs = []
+        for node in self.nodes:
+            costs.append([sum(self.node_cost(node, s)[:2]) for s in self.strategies[node]])
+        edges, meta = [], []
+        names = [n.name for n in self.nodes]
+        out_index = len(self.nodes)
+        costs.append([0.0])
+        names.append("output")
+        repl = (R,) * self.mesh.ndim
+        for consumer, j, (u, idx), rg in self._edges():
+            su = self.strategies[u]
+            src_specs = [s.outputs[idx] for s in su]
+            if consumer is None:
+                dst_specs = [repl]
+                v = out_index
+            else:
+                dst_specs = [s.inputs[j] for s in self.strategies[consumer]]
+                v = self.index[consumer]
+            o_cls, o_list = _classes(src_specs)
+            i_cls, i_list = _classes(dst_specs)
+            cost = [[self._convert((u, idx), rg, o, i)[0] for i in i_list] for o in o_list]
+            edges.append(ILPEdge(self.index[u], v, o_cls, i_cls, cost))
+            meta.append((consumer, j, (u, idx), rg))
+        return ILPProblem(costs, edges, names), meta
+
+    def solve(self, *, solver: str = "cbc", time_limit: float = 60.0) -> Plan:
+        t0 = time.perf_counter()
+        problem, meta = self.build_problem()
+        t_costs = time.perf_counter() - t0
+        sol = solve(problem, solver=solver, time_limit=time_limit)
+        choice = {n: self.strategies[n][sol.choice[i]] for i, n in enumerate(self.nodes)}
+        plan = self.make_plan(choice, meta)
+        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
+                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs)
+        return plan
+
+    def make_plan(self, choice: dict[fx.Node, Strategy], meta) -> Plan:
+        """Build the Plan of a given strategy choice (also used to price fixed plans)."""
+        ms = self.mesh.shape
+        nodes: dict[str, NodePlan] = {}
+        for node in self.gm.graph.nodes:
+            if node.op == "output":
+                continue
+            info = node_info(node) if "autoparallel" in node.meta else None
+            if node in self.aliases:
+                u, idx = self.aliases[node]
+                spec = choice[u].outputs[idx]
+                nodes[node.name] = NodePlan(node.name, "getitem", info.module_path if info else "",
+                                            [], [s for s, _ in info.outputs] if info else [], [], [spec])
+                continue
+            if node not in choice:
+                continue
+            s = choice[node]
+            compute, comm, mem = self.node_cost(node, s)
+            nodes[node.name] = NodePlan(
+                node.name, _op_name(node), info.module_path,
+                [tuple(x.meta["val"].shape) for _, x in tensor_inputs(node)] if node.op == "call_function" else [],
+                [sh for sh, _ in info.outputs], list(s.inputs), list(s.outputs), compute, comm, mem)
+        conversions = []
+        repl = (R,) * self.mesh.ndim
+        for consumer, j, (u, idx), rg in meta:
+            src = choice[u].outputs[idx]
+            dst = repl if consumer is None else choice[consumer].inputs[j]
+            if src == dst:
+                continue
+            cost, moves = self._convert((u, idx), rg, src, dst)
+            if math.isinf(cost):
+                raise RuntimeError(f"no conversion {src} -> {dst} for {u.name}")
+            name = "output" if consumer is None else consumer.name
+            conversions.append(Conversion(u.name, idx, name, j, node_info(u).outputs[idx][0], list(moves), cost))
+            if consumer is not None:
+                nodes[name].comm_s += cost
+        params = {}
+        for node in self.nodes:
+            if node.op == "get_attr" and node.target in self.param_names:
+                for name in self.param_names[node.target]:
+                    params[name] = choice[node].outputs[0]
+        compute = sum(n.compute_s for n in nodes.values())
+        comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in conversions if c.dst == "output")
+        weights = sum(n.memory_bytes for n in nodes.values() if n.op == "get_attr")
+        acts = sum(n.memory_bytes for n in nodes.values()
+                   if n.op not in ("get_attr", "getitem", "placeholder"))
+        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
+                    "peak_memory_bytes": weights + acts, "weights_bytes": weights, "activation_bytes": acts}
+        return Plan(self.mesh, nodes, conversions, params, estimate)
+
+
+def _output_leaves(out: fx.Node) -> list[fx.Node]:
+    import torch.utils._pytree as pytree
+    return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
+            and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def _classes(specs: list[Spec]) -> tuple[list[int], list[Spec]]:
+    uniq: dict[Spec, int] = {}
+    cls = [uniq.setdefault(s, len(uniq)) for s in specs]
+    return cls, list(uniq)

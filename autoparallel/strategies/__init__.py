@@ -1,0 +1,7 @@
+"""Strategy generation: which shardings each op of the graph admits."""
+
+from .engine import DimMap, Strategy, enumerate_strategies
+from .generator import StrategyGenerator
+from .rules import RULES, tensor_inputs
+
+__all__ = ["DimMap", "Strategy", "enumerate_strategies", "StrategyGenerator", "RULES", "tensor_inputs"]

@@ -1,0 +1,122 @@
+"""The rule engine: enumerate an op's strategies from a description of its dims.
+
+An op is described by a :class:`DimMap`: one label per dim of every tensor input and
+output (``None`` for a dim that may not be split: a broadcast dim of size 1, a dim the op
+normalizes or slices over). A label shared by inputs and output is a parallel dim:
+splitting it splits all those tensors alike. A label in ``reduce`` appears in inputs
+only and is summed over (the ``k`` of a matmul): splitting it leaves each device with a
+partial sum, so the output is ``Partial`` (and inputs that lack the label, e.g. a bias
+added after the sum, must be ``Partial`` too). ``partial`` lists groups of inputs in
+which the op is linear: when exactly those inputs are ``Partial`` along a mesh axis (the
+rest replicated), the output is ``Partial`` along it.
+
+Enumeration assigns to every mesh axis either nothing, one label, or one partial group,
+and keeps assignments where every split dim divides evenly. This is the einsum view of
+sharding that Alpa (arXiv 2201.12023, §4.1) and the SPMD partitioners build on; one
+engine covers matmuls, pointwise ops, views and reductions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from torch.distributed.tensor import Shard
+
+from ..placement import P, R, Spec
+
+Label = Hashable
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on the mesh.
+
+    Attributes:
+        inputs: the spec each tensor input must have, in the order of
+            :func:`autoparallel.strategies.tensor_inputs`.
+        outputs: the spec of each tensor output.
+        split: how many ways the op's work is divided (global FLOPs / local FLOPs).
+    """
+
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec, ...]
+    split: int = 1
+
+
+@dataclass
+class DimMap:
+    """Dim labels of an op's tensor inputs and outputs (see module docstring).
+
+    Attributes:
+        inputs / outputs: per tensor, one label (or ``None``) per dim.
+        in_shapes / out_shapes: the global shapes, used for the divisibility check.
+        reduce: labels summed over by the op.
+        partial: groups of input positions in which the op is linear.
+    """
+
+    inputs: list[tuple[Label | None, ...]]
+    outputs: list[tuple[Label | None, ...]]
+    in_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    reduce: frozenset = frozenset()
+    partial: list[frozenset[int]] = field(default_factory=list)
+
+
+def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
+              pos: int) -> Spec | None:
+    spec = []
+    for kind, val in assign:
+        if kind is None:
+            spec.append(R)
+        elif kind == "label":
+            if val in labels:
+                spec.append(Shard(labels.index(val)))
+            elif val in reduce:
+                spec.append(P)
+            elif is_input:
+                spec.append(R)
+            else:
+                return None  # an output cannot be replicated over a split dim it lacks
+        else:  # partial group
+            spec.append(P if (not is_input or pos in val) else R)
+    return tuple(spec)
+
+
+def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy]:
+    """Every strategy of the op described by ``dm`` on a mesh of ``mesh_shape``."""
+    labels = []
+    for labs in dm.inputs + dm.outputs:
+        for lab in labs:
+            if lab is not None and lab not in labels:
+                labels.append(lab)
+    options = [(None, None)] + [("label", lab) for lab in labels] + [("partial", g) for g in dm.partial]
+    tensors = list(zip(dm.inputs, dm.in_shapes)) + list(zip(dm.outputs, dm.out_shapes))
+    result = []
+    for assign in itertools.product(options, repeat=len(mesh_shape)):
+        # a label must be split in ascending mesh-axis order; product() gives each set once
+        ok = True
+        for labs, shape in tensors:
+            for d, lab in enumerate(labs):
+                if lab is None:
+                    continue
+                n = math.prod(mesh_shape[a] for a, (k, v) in enumerate(assign) if k == "label" and v == lab)
+                if n > 1 and shape[d] % n:
+                    ok = False
+                    break
+            if not ok:
+                break
+        if not ok:
+            continue
+        # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
+        if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
+            continue
+        ins = [_spec_for(labs, assign, dm.reduce, True, i) for i, labs in enumerate(dm.inputs)]
+        outs = [_spec_for(labs, assign, dm.reduce, False, i) for i, labs in enumerate(dm.outputs)]
+        if any(s is None for s in outs):
+            continue
+        split = math.prod(mesh_shape[a] for a, (k, _) in enumerate(assign) if k == "label")
+        result.append(Strategy(tuple(ins), tuple(outs), split))
+    return result

@@ -1,0 +1,429 @@
+"""Sharding rules, keyed by ATen op: each turns a node into a DimMap or explicit strategies.
+
+A rule is called as ``rule(node, in_shapes, out_shapes)`` where the shapes are those of
+the node's data tensor inputs (:func:`tensor_inputs`) and tensor outputs, and returns a
+:class:`~autoparallel.strategies.engine.DimMap` (enumerated by the engine) or a list of
+:class:`~autoparallel.strategies.engine.Strategy` for the few ops the engine cannot
+describe. Ops in :data:`NO_DATA_INPUT` read only dtype/device from their tensor argument.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
+
+from ..placement import P, R
+from .engine import DimMap, Strategy
+
+aten = torch.ops.aten
+RULES: dict[object, Callable] = {}
+
+# ops whose tensor argument supplies only dtype/device (never resharded)
+NO_DATA_INPUT = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+                 aten.new_empty.default}
+
+
+def rule(*ops):
+    def deco(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return deco
+
+
+def tensor_inputs(node: fx.Node) -> list[tuple[int, fx.Node]]:
+    """``(leaf index, node)`` of every data tensor input, in pytree-leaf order of (args, kwargs)."""
+    if node.target in NO_DATA_INPUT:
+        return []
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+            out.append((i, leaf))
+    return out
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _labels(ndim: int, prefix: str = "d") -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(ndim))
+
+
+# ---------------------------------------------------------------- pointwise
+LINEAR_ALL = "all"  # linear jointly in all tensor inputs (add, sub)
+LINEAR_EACH = "each"  # linear in each tensor input separately (mul)
+LINEAR_FIRST = "first"  # linear in the first input only (div by a tensor)
+
+POINTWISE: dict[object, str | None] = {}
+for _op, _lin in [
+    (aten.add.Tensor, LINEAR_ALL), (aten.sub.Tensor, LINEAR_ALL), (aten.mul.Tensor, LINEAR_EACH),
+    (aten.div.Tensor, LINEAR_FIRST), (aten.neg.default, LINEAR_FIRST),
+    (aten.to.dtype, LINEAR_FIRST), (aten.to.dtype_layout, LINEAR_FIRST), (aten.to.device, LINEAR_FIRST),
+    (aten._to_copy.default, LINEAR_FIRST), (aten.clone.default, LINEAR_FIRST),
+    (aten.contiguous.default, LINEAR_FIRST), (aten.alias.default, LINEAR_FIRST),
+    (aten.detach.default, LINEAR_FIRST), (aten.lift_fresh_copy.default, LINEAR_FIRST),
+    (aten.type_as.default, LINEAR_FIRST),
+]:
+    POINTWISE[_op] = _lin
+for _op in [
+    aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+    aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.rsqrt.default, aten.sqrt.default,
+    aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default, aten.silu.default,
+    aten.gelu.default, aten.relu.default, aten.erf.default, aten.cos.default, aten.sin.default,
+    aten.abs.default, aten.reciprocal.default, aten.sign.default, aten.floor.default, aten.ceil.default,
+    aten.round.default, aten.log1p.default, aten.expm1.default, aten.softplus.default,
+    aten.leaky_relu.default, aten.hardtanh.default, aten.elu.default, aten.mish.default,
+    aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default,
+    aten.dropout.default, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar,
+    aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
+    aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor, aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default,
+    aten.logical_not.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clamp.default, aten.clamp.Tensor,
+    aten.clamp_min.default, aten.clamp_max.default, aten.minimum.default, aten.maximum.default,
+    aten.floor_divide.default, aten.remainder.Scalar, aten.remainder.Tensor, aten.zeros_like.default,
+    aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.fill.Scalar,
+    aten.isnan.default, aten.isinf.default, aten.nan_to_num.default, aten.square.default,
+    aten.bitwise_xor.Tensor, aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default,
+]:
+    POINTWISE[_op] = None
+
+
+def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap:
+    out = out_shapes[0]
+    labs = _labels(len(out))
+    ins = []
+    for s in in_shapes:
+        off = len(out) - len(s)
+        ins.append(tuple(labs[off + j] if s[j] == out[off + j] else None for j in range(len(s))))
+    n = len(in_shapes)
+    partial = []
+    if linear == LINEAR_ALL and n == 2 and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        partial = [frozenset(range(n))]  # x + y; not x + c, which would add c once per device
+    elif linear == LINEAR_EACH:
+        partial = [frozenset([i]) for i in range(n)]
+    elif linear == LINEAR_FIRST and n >= 1:
+        partial = [frozenset([0])]
+    return DimMap(ins, [labs] * len(out_shapes), list(in_shapes), list(out_shapes), partial=partial)
+
+
+for _op, _lin in POINTWISE.items():
+    RULES[_op] = (lambda lin: lambda node, i, o: pointwise_dimmap(node, i, o, lin))(_lin)
+
+
+# ---------------------------------------------------------------- shape ops
+def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
+    """Labels for a view from ``in_shape`` to ``out_shape``: each group of dims whose
+    products match shares one label on its first non-unit dim on both sides."""
+    lin = [None] * len(in_shape)
+    lout = [None] * len(out_shape)
+    ii = [d for d, s in enumerate(in_shape) if s != 1]
+    oo = [d for d, s in enumerate(out_shape) if s != 1]
+    i = j = 0
+    g = 0
+    while i < len(ii) and j < len(oo):
+        gi, gj = [ii[i]], [oo[j]]
+        pi, pj = in_shape[ii[i]], out_shape[oo[j]]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(ii[i])
+                pi *= in_shape[ii[i]]
+            else:
+                j += 1
+                gj.append(oo[j])
+                pj *= out_shape[oo[j]]
+        lin[gi[0]] = lout[gj[0]] = f"g{g}"
+        g += 1
+        i += 1
+        j += 1
+    return tuple(lin), tuple(lout)
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+      aten.unflatten.int, aten.view_as.default, aten.reshape_as.default)
+def view_rule(node, in_shapes, out_shapes):
+    lin, lout = view_dims(in_shapes[0], out_shapes[0])
+    return DimMap([lin] + [(None,) * len(s) for s in in_shapes[1:]], [lout], list(in_shapes),
+                  list(out_shapes), partial=[frozenset([0])])
+
+
+@rule(aten.expand.default, aten.expand_as.default)
+def expand_rule(node, in_shapes, out_shapes):
+    out = out_shapes[0]
+    labs = _labels(len(out))
+    s = in_shapes[0]
+    off = len(out) - len(s)
+    lin = tuple(labs[off + j] if s[j] == out[off + j] else None for j in range(len(s)))
+    ins = [lin] + [(None,) * len(x) for x in in_shapes[1:]]
+    return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+
+
+@rule(aten.transpose.int, aten.t.default, aten.permute.default, aten.movedim.int)
+def permute_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    labs = _labels(nd)
+    if node.target == aten.permute.default:
+        perm = [_norm(d, nd) for d in node.args[1]]
+    elif node.target == aten.movedim.int:
+        src, dst = _norm(node.args[1], nd), _norm(node.args[2], nd)
+        perm = [d for d in range(nd) if d != src]
+        perm.insert(dst, src)
+    else:
+        d0, d1 = (0, 1) if node.target == aten.t.default else (_norm(node.args[1], nd), _norm(node.args[2], nd))
+        perm = list(range(nd))
+        if nd > 1:
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    return DimMap([labs], [tuple(labs[p] for p in perm)], list(in_shapes), list(out_shapes),
+                  partial=[frozenset([0])])
+
+
+def _forbid(labs, dims):
+    return tuple(None if d in dims else lab for d, lab in enumerate(labs))
+
+
+@rule(aten.slice.Tensor)
+def slice_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    dim = _norm(_arg(node, 1, "dim", 0), nd)
+    labs = _labels(nd)
+    if in_shapes[0][dim] != out_shapes[0][dim]:
+        labs = _forbid(labs, {dim})
+    return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+
+
+@rule(aten.select.int)
+def select_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    dim = _norm(node.args[1], nd)
+    labs = _labels(nd)
+    return DimMap([_forbid(labs, {dim})], [labs[:dim] + labs[dim + 1:]], list(in_shapes), list(out_shapes),
+                  partial=[frozenset([0])])
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+      aten.split.default)
+def split_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    dim = _norm(_arg(node, 2 if node.target != aten.unbind.int else 1, "dim", 0), nd)
+    labs = _forbid(_labels(nd), {dim})
+    outs = [labs if len(s) == nd else labs[:dim] + labs[dim + 1:] for s in out_shapes]
+    return DimMap([labs], outs, list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+
+
+@rule(aten.cat.default, aten.stack.default)
+def cat_rule(node, in_shapes, out_shapes):
+    out = out_shapes[0]
+    dim = _norm(_arg(node, 1, "dim", 0), len(out))
+    labs = _forbid(_labels(len(out)), {dim})
+    if node.target == aten.stack.default:
+        ins = [labs[:dim] + labs[dim + 1:] for _ in in_shapes]
+    else:
+        ins = [labs if len(s) == len(out) else (None,) * len(s) for s in in_shapes]
+    return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset(range(len(in_shapes)))])
+
+
+@rule(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    npad = len(node.args[1]) // 2
+    labs = _forbid(_labels(nd), set(range(nd - npad, nd)))
+    return DimMap([labs], [labs], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.cumsum.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+      aten._log_softmax.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
+      aten.sort.default, aten.argsort.default)
+def along_dim_rule(node, in_shapes, out_shapes):
+    """Ops that mix values along one dim (given as the second argument): that dim stays whole."""
+    nd = len(in_shapes[0])
+    dims = node.args[1] if len(node.args) > 1 else -1
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    labs = _forbid(_labels(nd), {_norm(d, nd) for d in dims})
+    return DimMap([labs], [labs] * len(out_shapes), list(in_shapes), list(out_shapes))
+
+
+@rule(aten.diff.default)
+def diff_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    dim = _norm(_arg(node, 2, "dim", -1), nd)
+    labs = _forbid(_labels(nd), {dim})
+    return DimMap([labs if len(s) == nd else (None,) * len(s) for s in in_shapes], [labs],
+                  list(in_shapes), list(out_shapes))
+
+
+# ---------------------------------------------------------------- reductions
+def _reduce_dims(node, nd):
+    dims = _arg(node, 1, "dim", None)
+    if dims is None or dims == []:
+        return set(range(nd))
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return {_norm(d, nd) for d in dims}
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def sum_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    red = _reduce_dims(node, nd) if node.target != aten.sum.default else set(range(nd))
+    labs = _labels(nd)
+    keep = len(out_shapes[0]) == nd
+    out = tuple(None if d in red else labs[d] for d in range(nd)) if keep else \
+        tuple(labs[d] for d in range(nd) if d not in red)
+    return DimMap([labs], [out], list(in_shapes), list(out_shapes),
+                  reduce=frozenset(labs[d] for d in red), partial=[frozenset([0])])
+
+
+@rule(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.max.dim,
+      aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction, aten.std.correction,
+      aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.norm.ScalarOpt_dim, aten.logsumexp.default,
+      aten.var_mean.correction)
+def reduce_whole_rule(node, in_shapes, out_shapes):
+    """Reductions that are not plain sums: the reduced dims stay whole."""
+    nd = len(in_shapes[0])
+    red = _reduce_dims(node, nd) if len(node.args) > 1 or "dim" in node.kwargs else set(range(nd))
+    labs = _labels(nd)
+    outs = []
+    for s in out_shapes:
+        if len(s) == nd:
+            outs.append(tuple(None if d in red else labs[d] for d in range(nd)))
+        else:
+            outs.append(tuple(labs[d] for d in range(nd) if d not in red))
+    lin = _forbid(labs, red)
+    partial = [frozenset([0])] if node.target in (aten.mean.dim, aten.mean.default) else []
+    return DimMap([lin], outs, list(in_shapes), list(out_shapes), partial=partial)
+
+
+# ---------------------------------------------------------------- matmuls
+@rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def matmul_rule(node, in_shapes, out_shapes):
+    a, b = in_shapes
+    out = out_shapes[0]
+    if len(a) < 2 or len(b) < 2:
+        return None  # vector products: replicate fallback
+    nb = len(out) - 2
+    batch = _labels(nb, "b")
+    la = tuple(batch[nb - (len(a) - 2) + i] if a[i] == out[nb - (len(a) - 2) + i] else None
+               for i in range(len(a) - 2)) + ("m", "k")
+    lb = tuple(batch[nb - (len(b) - 2) + i] if b[i] == out[nb - (len(b) - 2) + i] else None
+               for i in range(len(b) - 2)) + ("k", "n")
+    return DimMap([la, lb], [batch + ("m", "n")], list(in_shapes), list(out_shapes),
+                  reduce=frozenset({"k"}), partial=[frozenset([0]), frozenset([1])])
+
+
+@rule(aten.addmm.default, aten.baddbmm.default)
+def addmm_rule(node, in_shapes, out_shapes):
+    bias, a, b = in_shapes
+    out = out_shapes[0]
+    batch = _labels(len(out) - 2, "b")
+    lout = batch + ("m", "n")
+    off = len(out) - len(bias)
+    lbias = tuple(lout[off + j] if bias[j] == out[off + j] else None for j in range(len(bias)))
+    return DimMap([lbias, batch + ("m", "k"), batch + ("k", "n")], [lout], list(in_shapes), list(out_shapes),
+                  reduce=frozenset({"k"}), partial=[frozenset([0, 1]), frozenset([0, 2])])
+
+
+@rule(aten.linear.default)
+def linear_rule(node, in_shapes, out_shapes):
+    x, w = in_shapes[0], in_shapes[1]
+    batch = _labels(len(x) - 1, "b")
+    ins = [batch + ("k",), ("n", "k")]
+    partial = [frozenset([0]), frozenset([1])]
+    if len(in_shapes) == 3:
+        ins.append(("n",) if len(in_shapes[2]) == 1 else (None,) * len(in_shapes[2]))
+        partial = [frozenset([0, 2]), frozenset([1, 2])]
+    return DimMap(ins, [batch + ("n",)], list(in_shapes), list(out_shapes), reduce=frozenset({"k"}),
+                  partial=partial)
+
+
+# ---------------------------------------------------------------- NN ops
+@rule(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    k = len(node.args[1])
+    labs = _forbid(_labels(nd), set(range(nd - k, nd)))
+    ins = [labs] + [(None,) * len(s) for s in in_shapes[1:]]
+    return DimMap(ins, [labs], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.embedding.default)
+def embedding_rule(node, in_shapes, out_shapes):
+    w, idx = in_shapes
+    li = _labels(len(idx), "i")
+    return DimMap([(None, "e"), li], [li + ("e",)], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def sdpa_rule(node, in_shapes, out_shapes):
+    q, k, v = in_shapes[:3]
+    is_causal = _arg(node, 5, "is_causal", False)
+    lq = ("b", "h", None if is_causal else "sq", None)
+    lkv = ("b", "h", None, None)
+    ins = [lq, lkv, lkv]
+    if len(in_shapes) > 3:
+        m = in_shapes[3]
+        full = (q[0], q[1], q[2], k[2])
+        names = ("b", "h", lq[2], None)
+        off = 4 - len(m)
+        ins.append(tuple(names[off + j] if m[j] == full[off + j] and m[j] != 1 else None for j in range(len(m))))
+    return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.gather.default)
+def gather_rule(node, in_shapes, out_shapes):
+    x, idx = in_shapes
+    dim = _norm(node.args[1], len(x))
+    li = _forbid(_labels(len(idx)), {dim})
+    lx = tuple(li[d] if d != dim and x[d] == idx[d] else None for d in range(len(x)))
+    return DimMap([lx, li], [li], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.index_select.default)
+def index_select_rule(node, in_shapes, out_shapes):
+    nd = len(in_shapes[0])
+    dim = _norm(node.args[1], nd)
+    labs = _forbid(_labels(nd), {dim})
+    return DimMap([labs, (None,)], [labs], list(in_shapes), list(out_shapes))
+
+
+@rule(aten.cross_entropy_loss.default)
+def cross_entropy_rule(node, in_shapes, out_shapes):
+    """Replicated, or split over the batch dim N (weight=None, label_smoothing=0): the output
+    is then ``Partial`` for 'sum' and 'mean' (codegen divides by the global count of kept
+    targets) and ``Shard(0)`` for 'none'."""
+    x, t = in_shapes[0], in_shapes[1]
+    reduction = _arg(node, 3, "reduction", 1)
+    smoothing = _arg(node, 5, "label_smoothing", 0.0)
+    if len(in_shapes) > 2 or smoothing or len(x) < 2:
+        return None
+    lx = ("n", None) + tuple(f"s{i}" for i in range(len(x) - 2))
+    lt = ("n",) + tuple(f"s{i}" for i in range(len(t) - 1))
+    if reduction == 0:
+        return DimMap([lx, lt], [lt], list(in_shapes), list(out_shapes))
+    return DimMap([lx, lt], [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None})
+
+
+def _replicated(node, in_shapes, out_shapes, ndim_mesh):
+    return [Strategy(tuple((R,) * ndim_mesh for _ in in_shapes), tuple((R,) * ndim_mesh for _ in out_shapes))]
+
+
+# creation ops and index: replicated by rule (the consumer slices locally for free)
+REPLICATE_ONLY = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
+    aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
+    aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.index.Tensor,
+    aten.tril.default, aten.triu.default, aten.linspace.default, aten.eye.default,
+}
