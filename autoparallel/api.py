@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 from .codegen import ParallelModule
 from .errors import MeshMismatchError
@@ -122,13 +123,14 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
                                 f"{tuple(device_mesh.mesh.shape)}")
-    traced = ColoTracer().trace(model, meta_inputs)
-    if world == 1 or _is_simulated() or dist.get_rank() == 0:
-        p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                         time_limit=time_limit, parallelism=parallelism)
-        payload = [p.to_json()]
-    else:
-        payload = [None]
+    with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
+        traced = ColoTracer().trace(model, meta_inputs)
+        if world == 1 or _is_simulated() or dist.get_rank() == 0:
+            p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
+                             time_limit=time_limit, parallelism=parallelism)
+            payload = [p.to_json()]
+        else:
+            payload = [None]
     if world > 1 and not _is_simulated():
         dist.broadcast_object_list(payload, src=0)
         p = Plan.from_json(payload[0])

@@ -26,6 +26,13 @@ def _set_attr(root: nn.Module, fqn: str, value) -> None:
         mod.register_buffer(leaf, value)
 
 
+def _get_attr(root: nn.Module, fqn: str) -> torch.Tensor:
+    obj = root
+    for p in fqn.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
 def _mesh_coord(device_mesh) -> torch.Tensor:
     """This device's coordinate on each mesh axis (a LocalTensor under LocalTensorMode)."""
     from torch.distributed._local_tensor import local_tensor_mode
@@ -68,13 +75,12 @@ class ParallelModule(nn.Module):
         self.device_mesh = device_mesh
         self._in_spec, self._out_spec, self._input_meta = in_spec, out_spec, input_meta
         device = device_mesh.device_type
-        state = dict(model.named_parameters(remove_duplicate=False))
-        state.update(dict(model.named_buffers(remove_duplicate=False)))
         for target, names in list(param_names.items()) + list(buffer_names.items()):
-            full = state[target].detach().to(device)
+            orig = _get_attr(model, target)
+            full = orig.detach().to(device)
             spec = plan.param_placements[target]
             dt = distribute_tensor(full, device_mesh, list(spec))
-            value = nn.Parameter(dt, requires_grad=state[target].requires_grad) if target in param_names else dt
+            value = nn.Parameter(dt, requires_grad=orig.requires_grad) if target in param_names else dt
             for name in names:
                 _set_attr(self, name, value)
         for target, value in constants.items():

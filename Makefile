@@ -1,0 +1,33 @@
+# autoparallel: make demo | make test | make bench | make clean
+
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+
+export HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+
+.PHONY: test demo bench clean venv
+
+venv: $(STAMP)
+
+# torch==2.13.0 goes in first: with it already present, the project's pin is
+# satisfied and pip does not fetch a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[hf,test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests -x -q --durations=15
+
+demo: $(STAMP)
+	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/plan_time.py
+
+clean:
+	rm -rf .venv
