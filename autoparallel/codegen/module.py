@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 from ..errors import InputMismatchError
 from ..plan import Plan
@@ -75,13 +75,23 @@ class ParallelModule(nn.Module):
         self.device_mesh = device_mesh
         self._in_spec, self._out_spec, self._input_meta = in_spec, out_spec, input_meta
         device = device_mesh.device_type
-        for target, names in list(param_names.items()) + list(buffer_names.items()):
-            orig = _get_attr(model, target)
-            full = orig.detach().to(device)
-            spec = plan.param_placements[target]
-            dt = distribute_tensor(full, device_mesh, list(spec))
-            value = nn.Parameter(dt, requires_grad=orig.requires_grad) if target in param_names else dt
-            for name in names:
+        # every parameter and buffer of the model, tied names grouped; the graph reads one name of each
+        groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+                list(model.named_buffers(remove_duplicate=False)):
+            groups.setdefault(id(t), (t, []))[1].append(name)
+        target_of: dict[int, str] = {}
+        for target in list(param_names) + list(buffer_names):
+            t = _get_attr(model, target)
+            groups.setdefault(id(t), (t, []))
+            target_of[id(t)] = target
+        repl = (Replicate(),) * device_mesh.ndim
+        for tid, (orig, names) in groups.items():
+            target = target_of.get(tid)
+            spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
+            dt = distribute_tensor(orig.detach().to(device), device_mesh, list(spec))
+            value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
+            for name in names + ([target] if target and target not in names else []):
                 _set_attr(self, name, value)
         for target, value in constants.items():
             _set_attr(self, target, value.to(device))

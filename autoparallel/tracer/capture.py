@@ -163,11 +163,16 @@ class ColoTracer:
         params, buffers, constants = {}, {}, {}
         in_kinds = {s.arg.name: s for s in sig.input_specs}
         input_meta = []
+        seen: dict[int, str] = {}  # id of a parameter/buffer -> its graph target
         for node in src.graph.nodes:
             if node.op == "placeholder":
                 spec = in_kinds[node.name]
                 val = node.meta.get("val")
-                if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and by_name.get(spec.target) in seen:
+                    new = graph.get_attr(seen[by_name[spec.target]])  # a tied parameter: one node
+                elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                    if spec.target in by_name:
+                        seen[by_name[spec.target]] = spec.target
                     names = names_by_id.get(by_name.get(spec.target), [spec.target])
                     names = [spec.target] + [n for n in names if n != spec.target]
                     meta = torch.empty(tuple(val.shape), dtype=val.dtype, device="meta")
@@ -195,8 +200,11 @@ class ColoTracer:
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 env[node] = new
+        graph.eliminate_dead_code()
+        used = {n.target for n in graph.nodes if n.op == "get_attr"}
+        params = {k: v for k, v in params.items() if k in used}
+        buffers = {k: v for k, v in buffers.items() if k in used}
         gm = fx.GraphModule(root, graph)
-        gm.graph.eliminate_dead_code()
         gm.recompile()
         annotate_graph(gm)
         return TracedModel(gm=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
