@@ -3,9 +3,9 @@
 The alpha-beta model prices a collective over mesh axis ``a`` of ``n`` devices moving
 ``B`` bytes as ``alpha[a] + f(n) · B · beta[a]`` (Hockney's model; the per-collective
 factors are in :mod:`autoparallel.solver.costs`). Defaults describe devices linked by
-NVLink-class interconnect: latency 10 µs and 100 GB/s of bus bandwidth per axis
+NVLink-class interconnect: latency 5 µs and 100 GB/s of bus bandwidth per axis
 (beta = 1e-11 s/byte). Pass measured values for a real cluster, e.g. a slower outer
-axis across nodes: ``MeshSpec((2, 8), alpha=(2e-5, 1e-5), beta=(4e-11, 1e-11))``.
+axis across nodes: ``MeshSpec((2, 8), alpha=(2e-5, 5e-6), beta=(4e-11, 1e-11))``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-DEFAULT_ALPHA = 1e-5  # seconds per collective
+DEFAULT_ALPHA = 5e-6  # seconds per collective
 DEFAULT_BETA = 1e-11  # seconds per byte (100 GB/s)
 
 

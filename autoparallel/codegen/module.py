@@ -7,10 +7,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..errors import InputMismatchError
 from ..plan import Plan
+from .runtime import per_rank
 
 
 def _set_attr(root: nn.Module, fqn: str, value) -> None:
@@ -90,6 +91,7 @@ class ParallelModule(nn.Module):
             target = target_of.get(tid)
             spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
             dt = distribute_tensor(orig.detach().to(device), device_mesh, list(spec))
+            dt = DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
                 _set_attr(self, name, value)
@@ -100,7 +102,7 @@ class ParallelModule(nn.Module):
         self.__dict__["_coord"] = _mesh_coord(device_mesh)
 
     def _flat_inputs(self, args, kwargs) -> list:
-        expected_kw = self._in_spec.children_specs[1].context if self._in_spec.num_children > 1 else []
+        expected_kw = self._in_spec.child(1).context if self._in_spec.num_children > 1 else []
         if set(kwargs) != set(expected_kw or []):
             raise InputMismatchError(f"keyword arguments {sorted(kwargs)} differ from the planned ones "
                                      f"{sorted(expected_kw or [])}")

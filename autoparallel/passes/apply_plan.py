@@ -3,7 +3,8 @@
 The result computes on local shards. Its inputs are ``mesh_coord`` (this device's
 coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
 shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
-shards by :func:`~autoparallel.codegen.runtime.param_local`. Every resharding of the plan
+shards by :func:`~autoparallel.codegen.runtime.param_local`; gradients of parameters
+replicated along mesh axes are all-reduced in buckets (:func:`~autoparallel.codegen.runtime.grad_bucket`). Every resharding of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
 arguments of views and expands are rewritten to local shapes, ``device=meta`` to the run
@@ -20,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..codegen.runtime import param_local, returned
+from ..codegen.runtime import grad_bucket, param_local, returned
 from ..placement import P, R, Spec, local_shape, partial_axes
 from ..plan import Plan
 from ..solver.layout import Move
@@ -143,17 +144,29 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
             converted[key] = em.emit(env[x], c.shape, value_spec(x), c.moves)
         return converted[key]
 
+    # parameters and buffers: local shards; gradients bucketed per (mesh axes replicated over, dtype)
+    buckets: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        attr = graph.get_attr(node.target)
+        if node.target not in param_targets:
+            env[node] = attr
+            continue
+        env[node] = graph.call_function(param_local, (attr,))
+        spec = plan.nodes[node.name].output_specs[0]
+        groups = tuple(group_names[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
+        if groups and node.meta["autoparallel"].requires_grad:
+            buckets.setdefault((groups, node.meta["val"].dtype), []).append(node)
+    for (groups, _), members in buckets.items():
+        bucket = graph.call_function(grad_bucket, (groups, *[env[m] for m in members]))
+        for i, m in enumerate(members):
+            env[m] = graph.call_function(operator.getitem, (bucket, i))
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
         elif node.op == "get_attr":
-            attr = graph.get_attr(node.target)
-            if node.target in param_targets:
-                spec = plan.nodes[node.name].output_specs[0]
-                groups = tuple(group_names[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
-                env[node] = graph.call_function(param_local, (attr, groups))
-            else:
-                env[node] = attr
+            continue
         elif node.op == "call_function":
             np_ = plan.nodes[node.name]
             leaves, spec_tree = pytree.tree_flatten((node.args, node.kwargs))
@@ -174,6 +187,10 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
                 continue
             new = graph.call_function(node.target, tuple(args), kwargs)
             new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+            if node.target in (aten.mean.dim, aten.mean.default):
+                pieces = _mean_pieces(node, np_, ms)
+                if pieces > 1:  # local mean over a split dim: the pending sum must be the global mean
+                    new = graph.call_function(aten.div.Tensor, (new, pieces))
             env[node] = new
         elif node.op == "output":
             outs = []
@@ -208,3 +225,15 @@ def _sharded_mean_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> 
     for a in partial_axes(out_spec):
         cnt = em.wait(em.call(c10d.all_reduce.default, cnt, "sum", em.groups[a]))
     return graph.call_function(aten.div.Tensor, (loss, cnt))
+
+
+def _mean_pieces(node: fx.Node, np_, mesh_shape) -> int:
+    """Into how many pieces the reduced dims of a mean are split."""
+    nd = len(np_.in_shapes[0])
+    dims = node.args[1] if node.target == aten.mean.dim else list(range(nd))
+    spec = np_.input_specs[0]
+    n = 1
+    for d in {x % nd for x in dims}:
+        n *= math.prod(mesh_shape[a] for a, p in enumerate(spec)
+                       if isinstance(p, torch.distributed.tensor.Shard) and p.dim == d)
+    return n

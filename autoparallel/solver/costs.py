@@ -102,6 +102,12 @@ class CostModel:
             return a + (n - 1) / n * nbytes * b
         raise ValueError(f"unknown collective {kind!r}")
 
+    def grad_reduction_time(self, axis: int, nbytes: float) -> float:
+        """Seconds a parameter's gradient of ``nbytes`` adds to the bucketed all-reduce over
+        ``axis``: the bandwidth term only; the bucket's latency is paid once per axis."""
+        n = self.mesh.shape[axis]
+        return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
+
     # ------------------------------------------------------------ compute
     def compute_time(self, target, flops: float, nbytes: float, dtype: torch.dtype | None,
                      requires_grad: bool) -> float:

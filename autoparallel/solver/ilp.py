@@ -9,6 +9,10 @@ grouped into spec classes on each side of an edge and the quadratic term
 integral ``x`` these marginals force ``y`` to the product, so ``y`` can stay continuous
 in [0, 1]: only node variables are binary. Pairs with no conversion are left out, which
 forbids them. Edges where one side has a single class fold into node costs.
+
+The LP relaxation is solved first; when every ``x`` comes out integral it is the ILP
+optimum (as PyTorch's autoparallel observed on Llama models) and the integer solve is
+skipped.
 """
 
 from __future__ import annotations
@@ -102,22 +106,35 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
                 f"every strategy of node {problem.names[v] if problem.names else v} needs an impossible "
                 "layout conversion")
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
-    x = []
-    objective = []
-    n_bin = 0
+    x: list[dict[int, object]] = []
+    objective: list[tuple] = []
+    xvars = []
     for v in range(n):
         costs = lin[v]
-        finite = [s for s, c in enumerate(costs) if not math.isinf(c)]
         if len(costs) == 1:
-            x.append([1])
+            x.append({0: 1})
             continue
         xs = {}
-        for s in finite:
-            xs[s] = pulp.LpVariable(f"x{v}_{s}", cat="Binary")
-            n_bin += 1
-            objective.append(costs[s] * xs[s])
-        prob += pulp.lpSum(xs.values()) == 1, f"onehot{v}"
-        x.append([xs.get(s, 0) for s in range(len(costs))])
+        for s, c in enumerate(costs):
+            if not math.isinf(c):
+                xs[s] = pulp.LpVariable(f"x{v}_{s}", lowBound=0, upBound=1)
+                xvars.append(xs[s])
+                objective.append((xs[s], c))
+        prob += pulp.LpConstraint(pulp.LpAffineExpression([(xv, 1) for xv in xs.values()]), 0, f"onehot{v}", 1)
+        x.append(xs)
+
+    def marginal(y_terms, v, classes, cls):
+        terms = [(yv, 1) for yv in y_terms]
+        const = 0
+        for s, c in enumerate(classes):
+            if c == cls and s in x[v]:
+                xv = x[v][s]
+                if isinstance(xv, int):
+                    const += xv
+                else:
+                    terms.append((xv, -1))
+        return pulp.LpConstraint(pulp.LpAffineExpression(terms), 0, None, const)
+
     n_cont = 0
     for k, e in enumerate(pair_edges):
         no, ni = max(e.u_class) + 1, max(e.v_class) + 1
@@ -125,24 +142,31 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
         for o in range(no):
             for i in range(ni):
                 c = e.cost[o][i]
-                if math.isinf(c):
-                    continue
-                y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
-                n_cont += 1
-                if c:
-                    objective.append(c * y[o, i])
+                if not math.isinf(c):
+                    y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
+                    n_cont += 1
+                    if c:
+                        objective.append((y[o, i], c))
         for o in range(no):
-            prob += (pulp.lpSum(y[o, i] for i in range(ni) if (o, i) in y)
-                     == pulp.lpSum(x[e.u][s] for s, c in enumerate(e.u_class) if c == o)), f"eu{k}_{o}"
+            prob += marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
         for i in range(ni):
-            prob += (pulp.lpSum(y[o, i] for o in range(no) if (o, i) in y)
-                     == pulp.lpSum(x[e.v][s] for s, c in enumerate(e.v_class) if c == i)), f"ev{k}_{i}"
-    prob += pulp.lpSum(objective)
+            prob += marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
+    prob.setObjective(pulp.LpAffineExpression(objective))
     t_build = time.perf_counter() - t0
+    # The LP relaxation is often integral (every x one-hot): then it is the ILP optimum.
     status = prob.solve(_make_solver(solver, time_limit))
+    integral = pulp.LpStatus[status] == "Optimal" and all(
+        min(abs(xv.varValue or 0.0), abs(1 - (xv.varValue or 0.0))) < 1e-6 for xv in xvars)
+    used = f"{solver} (LP relaxation, integral)"
+    if not integral:
+        for xv in xvars:
+            xv.cat = pulp.LpInteger
+        status = prob.solve(_make_solver(solver, time_limit))
+        used = solver
+    n_bin = len(xvars)
     t_solve = time.perf_counter() - t0 - t_build
     status_name = pulp.LpStatus[status]
-    if status_name not in ("Optimal",) and pulp.value(prob.objective) is None:
+    if status_name != "Optimal" and pulp.value(prob.objective) is None:
         raise InfeasiblePlanError(
             f"the sharding ILP is {status_name.lower()}: no combination of strategies connects every "
             "producer to its consumers. Check for ops whose rules allow no common layout; run with "
@@ -152,12 +176,12 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
         if len(lin[v]) == 1:
             choice.append(0)
             continue
-        vals = [(pulp.value(xv) or 0.0) if not isinstance(xv, int) else xv for xv in x[v]]
-        choice.append(max(range(len(vals)), key=lambda s: vals[s]))
+        vals = {s: (xv.varValue or 0.0) for s, xv in x[v].items()}
+        choice.append(max(vals, key=lambda s: (vals[s], -s)))
     obj = sum(lin[v][choice[v]] for v in range(n))
     for e in pair_edges:
         obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
-    stats = {"solver": solver, "status": status_name, "binary_vars": n_bin, "edge_vars": n_cont,
+    stats = {"solver": used, "status": status_name, "binary_vars": n_bin, "edge_vars": n_cont,
              "constraints": len(prob.constraints), "build_s": t_build, "solve_s": t_solve,
              "objective_s": obj}
     return ILPSolution(choice, obj, stats)

@@ -54,6 +54,7 @@ class Planner:
         self.param_names = param_names
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
+        self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
 
     # ------------------------------------------------------------ pricing
     def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
@@ -69,7 +70,7 @@ class Planner:
             if info.requires_grad:
                 for a, p in enumerate(s.outputs[0]):
                     if p == R:
-                        comm += self.cm.collective_time("all_reduce", a, out_bytes)
+                        comm += self.cm.grad_reduction_time(a, out_bytes)
             return 0.0, comm, out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
@@ -99,40 +100,94 @@ class Planner:
             yield None, j, self._value(x), node_info(x).requires_grad
 
     # ------------------------------------------------------------ solve
-    def build_problem(self) -> tuple[ILPProblem, list]:
-        costs = []
+    def _follow(self, costs) -> tuple[dict, dict]:
+        """Merge followers into their producer's group.
+
+        A node with exactly one data input whose producer has a choice (the others come
+        from single-strategy producers) follows that producer when it accepts every spec
+        the producer can give as is: for each strategy of the group's root it takes its
+        cheapest strategy with that input spec (own cost plus converting any fixed inputs). Pointwise ops, views and cheap reductions thereby share the
+        variables of their producer instead of owning a one-hot vector and edges.
+
+        Returns:
+            root: node → the root node of its group; fmap: node → per root strategy, the
+            node's strategy index.
+        """
+        root, fmap = {}, {}
         for node in self.nodes:
-            costs.append([sum(self.node_cost(node, s)[:2]) for s in self.strategies[node]])
-        edges, meta = [], []
-        names = [n.name for n in self.nodes]
-        out_index = len(self.nodes)
-        costs.append([0.0])
-        names.append("output")
+            root[node], fmap[node] = node, list(range(len(self.strategies[node])))
+            if node.op != "call_function":
+                continue
+            ins = [(j, self._value(x), node_info(x).requires_grad) for j, (_, x) in enumerate(tensor_inputs(node))]
+            varying = [t for t in ins if len(self.strategies[root[t[1][0]]]) > 1]
+            if len(varying) != 1:
+                continue
+            j, (u, idx), rg = varying[0]
+            r = root[u]
+            sv = self.strategies[node]
+            f = []
+            for i in range(len(self.strategies[r])):
+                src = self.strategies[u][fmap[u][i]].outputs[idx]
+                best, best_k = math.inf, 0
+                for k, s in enumerate(sv):
+                    c = costs[self.index[node]][k] + self._convert((u, idx), rg, src, s.inputs[j])[0]
+                    for j2, (u2, idx2), rg2 in ins:
+                        if j2 != j:
+                            src2 = self.strategies[u2][fmap[u2][0]].outputs[idx2]
+                            c += self._convert((u2, idx2), rg2, src2, s.inputs[j2])[0]
+                    if c < best:
+                        best, best_k = c, k
+                f.append(best_k)
+            if any(self.strategies[u][fmap[u][i]].outputs[idx] != sv[k].inputs[j] for i, k in enumerate(f)):
+                continue  # it would reshard inside the group: let the ILP choose instead
+            root[node], fmap[node] = r, f
+        return root, fmap
+
+    def build_problem(self) -> tuple[ILPProblem, dict, dict, list]:
+        """The group-level ILP, the follower maps, and the edge list used for the plan."""
+        costs = [[sum(self.node_cost(node, s)[:2]) for s in self.strategies[node]] for node in self.nodes]
+        root, fmap = self._follow(costs)
+        roots = [n for n in self.nodes if root[n] is n]
+        gidx = {n: i for i, n in enumerate(roots)}
+        gcost = [[0.0] * len(self.strategies[r]) for r in roots]
+        for node in self.nodes:
+            g = gidx[root[node]]
+            for i, k in enumerate(fmap[node]):
+                gcost[g][i] += costs[self.index[node]][k]
+        out_g = len(roots)
+        gcost.append([0.0])
         repl = (R,) * self.mesh.ndim
+        edges, meta = [], []
         for consumer, j, (u, idx), rg in self._edges():
-            su = self.strategies[u]
-            src_specs = [s.outputs[idx] for s in su]
+            ru = root[u]
+            src_specs = [self.strategies[u][k].outputs[idx] for k in fmap[u]]
             if consumer is None:
-                dst_specs = [repl]
-                v = out_index
+                rv, dst_specs = None, [repl]
             else:
-                dst_specs = [s.inputs[j] for s in self.strategies[consumer]]
-                v = self.index[consumer]
+                rv = root[consumer]
+                dst_specs = [self.strategies[consumer][k].inputs[j] for k in fmap[consumer]]
+            meta.append((consumer, j, (u, idx), rg))
+            if rv is ru:  # inside one group: a cost per root strategy
+                for i, (a, b) in enumerate(zip(src_specs, dst_specs)):
+                    gcost[gidx[ru]][i] += self._convert((u, idx), rg, a, b)[0]
+                continue
             o_cls, o_list = _classes(src_specs)
             i_cls, i_list = _classes(dst_specs)
             cost = [[self._convert((u, idx), rg, o, i)[0] for i in i_list] for o in o_list]
-            edges.append(ILPEdge(self.index[u], v, o_cls, i_cls, cost))
-            meta.append((consumer, j, (u, idx), rg))
-        return ILPProblem(costs, edges, names), meta
+            edges.append(ILPEdge(gidx[ru], out_g if rv is None else gidx[rv], o_cls, i_cls, cost))
+        names = [r.name for r in roots] + ["output"]
+        return ILPProblem(gcost, edges, names), root, fmap, meta
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0) -> Plan:
         t0 = time.perf_counter()
-        problem, meta = self.build_problem()
+        problem, root, fmap, meta = self.build_problem()
         t_costs = time.perf_counter() - t0
         sol = solve(problem, solver=solver, time_limit=time_limit)
-        choice = {n: self.strategies[n][sol.choice[i]] for i, n in enumerate(self.nodes)}
+        roots = [n for n in self.nodes if root[n] is n]
+        gchoice = {r: sol.choice[i] for i, r in enumerate(roots)}
+        choice = {n: self.strategies[n][fmap[n][gchoice[root[n]]]] for n in self.nodes}
         plan = self.make_plan(choice, meta)
-        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
+        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), groups=len(roots), edges=len(problem.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs)
         return plan
 
@@ -182,6 +237,11 @@ class Planner:
         weights = sum(n.memory_bytes for n in nodes.values() if n.op == "get_attr")
         acts = sum(n.memory_bytes for n in nodes.values()
                    if n.op not in ("get_attr", "getitem", "placeholder"))
+        # one bucketed gradient all-reduce per mesh axis that replicates some parameter: its latency
+        for a in range(self.mesh.ndim):
+            if any(n.op == "get_attr" and n.output_specs[0][a] == R and self.mesh.shape[a] > 1
+                   for n in nodes.values() if n.name in self._grad_params):
+                comm += self.cm.collective_time("all_reduce", a, 0)
         estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
                     "peak_memory_bytes": weights + acts, "weights_bytes": weights, "activation_bytes": acts}
         return Plan(self.mesh, nodes, conversions, params, estimate)

@@ -275,10 +275,12 @@ def _reduce_dims(node, nd):
     return {_norm(d, nd) for d in dims}
 
 
-@rule(aten.sum.dim_IntList, aten.sum.default)
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
 def sum_rule(node, in_shapes, out_shapes):
+    """Sum or mean: a split reduced dim leaves partial results (codegen divides a mean's
+    local result by the number of pieces, so that the pending sum is the global mean)."""
     nd = len(in_shapes[0])
-    red = _reduce_dims(node, nd) if node.target != aten.sum.default else set(range(nd))
+    red = _reduce_dims(node, nd) if node.target not in (aten.sum.default, aten.mean.default) else set(range(nd))
     labs = _labels(nd)
     keep = len(out_shapes[0]) == nd
     out = tuple(None if d in red else labs[d] for d in range(nd)) if keep else \
@@ -287,7 +289,7 @@ def sum_rule(node, in_shapes, out_shapes):
                   reduce=frozenset(labs[d] for d in red), partial=[frozenset([0])])
 
 
-@rule(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.max.dim,
+@rule(aten.amax.default, aten.amin.default, aten.max.dim,
       aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction, aten.std.correction,
       aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.norm.ScalarOpt_dim, aten.logsumexp.default,
       aten.var_mean.correction)
@@ -302,9 +304,7 @@ def reduce_whole_rule(node, in_shapes, out_shapes):
             outs.append(tuple(None if d in red else labs[d] for d in range(nd)))
         else:
             outs.append(tuple(labs[d] for d in range(nd) if d not in red))
-    lin = _forbid(labs, red)
-    partial = [frozenset([0])] if node.target in (aten.mean.dim, aten.mean.default) else []
-    return DimMap([lin], outs, list(in_shapes), list(out_shapes), partial=partial)
+    return DimMap([_forbid(labs, red)], outs, list(in_shapes), list(out_shapes))
 
 
 # ---------------------------------------------------------------- matmuls
@@ -321,7 +321,7 @@ def matmul_rule(node, in_shapes, out_shapes):
     lb = tuple(batch[nb - (len(b) - 2) + i] if b[i] == out[nb - (len(b) - 2) + i] else None
                for i in range(len(b) - 2)) + ("k", "n")
     return DimMap([la, lb], [batch + ("m", "n")], list(in_shapes), list(out_shapes),
-                  reduce=frozenset({"k"}), partial=[frozenset([0]), frozenset([1])])
+                  reduce=frozenset({"k"}))
 
 
 @rule(aten.addmm.default, aten.baddbmm.default)
@@ -333,7 +333,7 @@ def addmm_rule(node, in_shapes, out_shapes):
     off = len(out) - len(bias)
     lbias = tuple(lout[off + j] if bias[j] == out[off + j] else None for j in range(len(bias)))
     return DimMap([lbias, batch + ("m", "k"), batch + ("k", "n")], [lout], list(in_shapes), list(out_shapes),
-                  reduce=frozenset({"k"}), partial=[frozenset([0, 1]), frozenset([0, 2])])
+                  reduce=frozenset({"k"}))
 
 
 @rule(aten.linear.default)
@@ -341,12 +341,9 @@ def linear_rule(node, in_shapes, out_shapes):
     x, w = in_shapes[0], in_shapes[1]
     batch = _labels(len(x) - 1, "b")
     ins = [batch + ("k",), ("n", "k")]
-    partial = [frozenset([0]), frozenset([1])]
     if len(in_shapes) == 3:
         ins.append(("n",) if len(in_shapes[2]) == 1 else (None,) * len(in_shapes[2]))
-        partial = [frozenset([0, 2]), frozenset([1, 2])]
-    return DimMap(ins, [batch + ("n",)], list(in_shapes), list(out_shapes), reduce=frozenset({"k"}),
-                  partial=partial)
+    return DimMap(ins, [batch + ("n",)], list(in_shapes), list(out_shapes), reduce=frozenset({"k"}))
 
 
 # ---------------------------------------------------------------- NN ops

@@ -1,0 +1,30 @@
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture
+def sim_mesh():
+    """Factory: a DeviceMesh of the given shape on the fake process group, every rank
+    simulated in this process by LocalTensorMode (DESIGN §4, tier 2)."""
+    from torch.distributed.tensor import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def make(shape):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        world = 1
+        for s in shape:
+            world *= s
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        return init_device_mesh("cpu", tuple(shape))
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""Small models for the tests: a plain MLP and Hugging Face GPT-2, LLaMA and BERT from configs."""
+
+import torch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden=64, layers=4, bias=True):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden, bias=bias) for _ in range(layers)])
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.nn.functional.gelu(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def hf_model(name):
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    if name == "gpt2":
+        cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0,
+                           embd_pdrop=0, attn_pdrop=0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        return T.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, use_cache=False)
+        return T.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           vocab_size=128, max_position_embeddings=32, hidden_dropout_prob=0,
+                           attention_probs_dropout_prob=0)
+        return T.BertForMaskedLM(cfg)
+    raise ValueError(name)
+
+
+def batch_for(name, seed, batch=8, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return {"x": torch.randn(batch, 64, generator=g), "y": torch.randn(batch, 64, generator=g)}
+    b = {"input_ids": torch.randint(0, 128, (batch, seq), generator=g),
+         "labels": torch.randint(0, 128, (batch, seq), generator=g)}
+    if name == "bert":
+        b["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+        b["labels"][:, ::3] = -100  # MLM: most positions are ignored
+    return b
+
+
+def to_meta(batch):
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
