@@ -110,13 +110,15 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(f"input structure {spec} differs from the planned {self._in_spec}")
+        paths = [p for p, x in pytree.tree_flatten_with_path((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         if len(tensors) != len(self._input_meta):
             raise InputMismatchError(f"{len(tensors)} tensor inputs given, {len(self._input_meta)} planned")
-        for i, (t, (shape, dtype)) in enumerate(zip(tensors, self._input_meta)):
+        for path, t, (shape, dtype) in zip(paths, tensors, self._input_meta):
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                name = pytree.keystr(path[1:]) if path else "?"
                 raise InputMismatchError(
-                    f"input {i} has shape {tuple(t.shape)} and dtype {t.dtype}, but the plan was made for "
+                    f"input {name} has shape {tuple(t.shape)} and dtype {t.dtype}, but the plan was made for "
                     f"shape {tuple(shape)} and dtype {dtype}; call autoparallelize again with meta_inputs "
                     "of the new shape")
         return tensors

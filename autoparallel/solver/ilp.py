@@ -56,6 +56,7 @@ class ILPSolution:
 
 
 SOLVERS = ("cbc", "highs")
+_SCALE = 1e6  # the solver sees microseconds: second-scale costs sit near its 1e-7 tolerances
 
 
 def _make_solver(name: str, time_limit: float):
@@ -87,24 +88,31 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
         if not costs:
             raise InfeasiblePlanError(f"node {problem.names[v] if problem.names else v} has no strategy")
     lin = [list(c) for c in problem.node_costs]  # node costs plus folded edge costs
+    blocked: dict[int, list[int]] = {}  # node -> neighbours whose folded edge is impossible somewhere
     pair_edges = []
     for e in problem.edges:
         no, ni = max(e.u_class) + 1, max(e.v_class) + 1
         if ni == 1:
             for s, o in enumerate(e.u_class):
                 lin[e.u][s] += e.cost[o][0]
+            if any(math.isinf(e.cost[o][0]) for o in e.u_class):
+                blocked.setdefault(e.u, []).append(e.v)
             continue
         if no == 1:
             for s, i in enumerate(e.v_class):
                 lin[e.v][s] += e.cost[0][i]
+            if any(math.isinf(e.cost[0][i]) for i in e.v_class):
+                blocked.setdefault(e.v, []).append(e.u)
             continue
         pair_edges.append(e)
     # strategies with infinite cost are impossible
+    name = (lambda v: problem.names[v]) if problem.names else str
     for v in range(n):
         if all(math.isinf(c) for c in lin[v]):
+            others = ", ".join(name(u) for u in blocked.get(v, []))
             raise InfeasiblePlanError(
-                f"every strategy of node {problem.names[v] if problem.names else v} needs an impossible "
-                "layout conversion")
+                f"every strategy of node {name(v)} needs an impossible layout conversion "
+                f"(to or from: {others or 'unknown'})")
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     x: list[dict[int, object]] = []
     objective: list[tuple] = []
@@ -119,7 +127,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
             if not math.isinf(c):
                 xs[s] = pulp.LpVariable(f"x{v}_{s}", lowBound=0, upBound=1)
                 xvars.append(xs[s])
-                objective.append((xs[s], c))
+                objective.append((xs[s], c * _SCALE))
         prob += pulp.LpConstraint(pulp.LpAffineExpression([(xv, 1) for xv in xs.values()]), 0, f"onehot{v}", 1)
         x.append(xs)
 
@@ -146,7 +154,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
                     y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
                     n_cont += 1
                     if c:
-                        objective.append((y[o, i], c))
+                        objective.append((y[o, i], c * _SCALE))
         for o in range(no):
             prob += marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
         for i in range(ni):
