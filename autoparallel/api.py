@@ -36,10 +36,16 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     elif parallelism != "auto":
         raise ValueError(f"parallelism must be 'auto' or 'data', not {parallelism!r}")
     t1 = time.perf_counter()
+    log.info("strategies: %d nodes, %d strategies (%.2f s)", len(strategies),
+             sum(len(v) for v in strategies.values()), t1 - t0)
     names = dict(traced.params)
     names.update(traced.buffers)
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model or CostModel(), names)
     plan = planner.solve(solver=solver, time_limit=time_limit)
+    st = plan.solver_stats
+    log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
+             st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
+             plan.estimate["step_time_s"])
     plan.solver_stats["strategies_s"] = t1 - t0
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     return plan
@@ -76,6 +82,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     t0 = time.perf_counter()
     traced = ColoTracer().trace(model, meta_inputs)
     t_trace = time.perf_counter() - t0
+    log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes), t_trace)
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism)
     p.solver_stats["trace_s"] = t_trace
@@ -124,7 +131,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
                                 f"{tuple(device_mesh.mesh.shape)}")
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
+        t0 = time.perf_counter()
         traced = ColoTracer().trace(model, meta_inputs)
+        log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
+                 time.perf_counter() - t0)
         if world == 1 or _is_simulated() or dist.get_rank() == 0:
             p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                              time_limit=time_limit, parallelism=parallelism)
