@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode

@@ -2,7 +2,6 @@ import os
 import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Shard
 
 import autoparallel
 from autoparallel.mesh import MeshSpec
 from autoparallel.placement import P, R, spec_str
 from autoparallel.solver import CostModel, ILPEdge, ILPProblem, LayoutConverter, solve
-from autoparallel.strategies import DimMap, enumerate_strategies
+from autoparallel.strategies import enumerate_strategies
 from autoparallel.strategies.rules import linear_rule, matmul_rule
 from models import MLP, batch_for, hf_model, to_meta
 

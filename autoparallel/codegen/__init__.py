@@ -1,4 +1,4 @@
-"""The emitted module and the runtime functions its code calls."""
+"""The emitted module."""
 
 from .module import ParallelModule
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -11,7 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..errors import InputMismatchError
 from ..plan import Plan
-from .runtime import per_rank
+from ..runtime_kernels import per_rank
 
 
 def _set_attr(root: nn.Module, fqn: str, value) -> None:

@@ -3,8 +3,8 @@
 The result computes on local shards. Its inputs are ``mesh_coord`` (this device's
 coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
 shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
-shards by :func:`~autoparallel.codegen.runtime.param_local`; gradients of parameters
-replicated along mesh axes are all-reduced in buckets (:func:`~autoparallel.codegen.runtime.grad_bucket`). Every resharding of the plan
+shards by :func:`~autoparallel.runtime_kernels.param_local`; gradients of parameters
+replicated along mesh axes are all-reduced in buckets (:func:`~autoparallel.runtime_kernels.grad_bucket`). Every resharding of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
 arguments of views and expands are rewritten to local shapes, ``device=meta`` to the run
@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..codegen.runtime import grad_bucket, param_local, returned
+from ..runtime_kernels import grad_bucket, param_local, returned
 from ..placement import P, R, Spec, local_shape, partial_axes
 from ..plan import Plan
 from ..solver.layout import Move

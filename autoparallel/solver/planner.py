@@ -8,9 +8,10 @@ import time
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ..mesh import MeshSpec
-from ..placement import P, R, Spec, local_shape, partial_axes, shard_fraction
+from ..placement import R, Spec, local_shape, partial_axes
 from ..plan import Conversion, NodePlan, Plan
 from ..strategies import Strategy, tensor_inputs
 from ..tracer.annotate import node_info
@@ -192,8 +193,7 @@ class Planner:
         return plan
 
     def make_plan(self, choice: dict[fx.Node, Strategy], meta) -> Plan:
-        """Build the Plan of a given strategy choice (also used to price fixed plans)."""
-        ms = self.mesh.shape
+        """Build the Plan of a given strategy choice."""
         nodes: dict[str, NodePlan] = {}
         for node in self.gm.graph.nodes:
             if node.op == "output":
@@ -248,7 +248,6 @@ class Planner:
 
 
 def _output_leaves(out: fx.Node) -> list[fx.Node]:
-    import torch.utils._pytree as pytree
     return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
             and isinstance(x.meta.get("val"), torch.Tensor)]
 

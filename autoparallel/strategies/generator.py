@@ -7,7 +7,6 @@ import operator
 from collections import defaultdict
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 

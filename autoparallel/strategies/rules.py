@@ -9,16 +9,13 @@ describe. Ops in :data:`NO_DATA_INPUT` read only dtype/device from their tensor 
 
 from __future__ import annotations
 
-import operator
 from typing import Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
 
-from ..placement import P, R
-from .engine import DimMap, Strategy
+from .engine import DimMap
 
 aten = torch.ops.aten
 RULES: dict[object, Callable] = {}
@@ -338,8 +335,7 @@ def addmm_rule(node, in_shapes, out_shapes):
 
 @rule(aten.linear.default)
 def linear_rule(node, in_shapes, out_shapes):
-    x, w = in_shapes[0], in_shapes[1]
-    batch = _labels(len(x) - 1, "b")
+    batch = _labels(len(in_shapes[0]) - 1, "b")
     ins = [batch + ("k",), ("n", "k")]
     if len(in_shapes) == 3:
         ins.append(("n",) if len(in_shapes[2]) == 1 else (None,) * len(in_shapes[2]))
@@ -411,10 +407,6 @@ def cross_entropy_rule(node, in_shapes, out_shapes):
     if reduction == 0:
         return DimMap([lx, lt], [lt], list(in_shapes), list(out_shapes))
     return DimMap([lx, lt], [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None})
-
-
-def _replicated(node, in_shapes, out_shapes, ndim_mesh):
-    return [Strategy(tuple((R,) * ndim_mesh for _ in in_shapes), tuple((R,) * ndim_mesh for _ in out_shapes))]
 
 
 # creation ops and index: replicated by rule (the consumer slices locally for free)
