@@ -129,18 +129,22 @@ class Planner:
             f = []
             for i in range(len(self.strategies[r])):
                 src = self.strategies[u][fmap[u][i]].outputs[idx]
-                best, best_k = math.inf, 0
+                best, best_k = math.inf, None
                 for k, s in enumerate(sv):
-                    c = costs[self.index[node]][k] + self._convert((u, idx), rg, src, s.inputs[j])[0]
+                    if s.inputs[j] != src:
+                        continue
+                    c = costs[self.index[node]][k]
                     for j2, (u2, idx2), rg2 in ins:
                         if j2 != j:
                             src2 = self.strategies[u2][fmap[u2][0]].outputs[idx2]
                             c += self._convert((u2, idx2), rg2, src2, s.inputs[j2])[0]
                     if c < best:
                         best, best_k = c, k
+                if best_k is None:
+                    break  # it would reshard inside the group: let the ILP choose instead
                 f.append(best_k)
-            if any(self.strategies[u][fmap[u][i]].outputs[idx] != sv[k].inputs[j] for i, k in enumerate(f)):
-                continue  # it would reshard inside the group: let the ILP choose instead
+            if len(f) < len(self.strategies[r]):
+                continue
             root[node], fmap[node] = r, f
         return root, fmap
 
