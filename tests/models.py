@@ -4,7 +4,7 @@ import torch
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, hidden=64, layers=4, bias=True):
+    def __init__(self, hidden=256, layers=4, bias=True):
         super().__init__()
         self.layers = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden, bias=bias) for _ in range(layers)])
 
@@ -39,7 +39,7 @@ def hf_model(name):
 def batch_for(name, seed, batch=8, seq=16):
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
-        return {"x": torch.randn(batch, 64, generator=g), "y": torch.randn(batch, 64, generator=g)}
+        return {"x": torch.randn(batch, 256, generator=g), "y": torch.randn(batch, 256, generator=g)}
     b = {"input_ids": torch.randint(0, 128, (batch, seq), generator=g),
          "labels": torch.randint(0, 128, (batch, seq), generator=g)}
     if name == "bert":

@@ -41,8 +41,12 @@ def test_parity(name, mesh_shape, sim_mesh):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh)
+        # the cpu preset makes compute count, so that these toy models get split (on the default
+        # a100 preset replicating them is cheapest)
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
+                                              cost_model=autoparallel.CostModel("cpu"))
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
     for step in range(4):  # step 0, then again after each of 3 SGD steps
@@ -67,7 +71,8 @@ def test_outputs_keep_model_structure_and_tied_weights(sim_mesh):
     mesh = sim_mesh((2, 2))
     model = build("gpt2")
     with LocalTensorMode(frozenset(range(4))):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for("gpt2", 0)), device_mesh=mesh)
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for("gpt2", 0)), device_mesh=mesh,
+                                              cost_model=autoparallel.CostModel("cpu"))
         out = pmodel(**batch_for("gpt2", 0))
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert tuple(out.logits.shape) == (8, 16, 128)  # returned whole

@@ -101,13 +101,13 @@ class Planner:
             yield None, j, self._value(x), node_info(x).requires_grad
 
     # ------------------------------------------------------------ solve
-    def _follow(self, costs) -> tuple[dict, dict]:
+    def _follow(self) -> tuple[dict, dict]:
         """Merge followers into their producer's group.
 
         A node with exactly one data input whose producer has a choice (the others come
-        from single-strategy producers) follows that producer when it accepts every spec
-        the producer can give as is: for each strategy of the group's root it takes its
-        cheapest strategy with that input spec (own cost plus converting any fixed inputs). Pointwise ops, views and cheap reductions thereby share the
+        from single-strategy producers) follows that producer when, for every spec the
+        producer can give, it has exactly one strategy taking that spec as is: its
+        strategy is then a function of the group's choice and costs no optimality. Pointwise ops, views and cheap reductions thereby share the
         variables of their producer instead of owning a one-hot vector and edges.
 
         Returns:
@@ -126,23 +126,15 @@ class Planner:
             j, (u, idx), rg = varying[0]
             r = root[u]
             sv = self.strategies[node]
+            by_input: dict = {}
+            for k, s in enumerate(sv):
+                by_input.setdefault(s.inputs[j], []).append(k)
             f = []
             for i in range(len(self.strategies[r])):
-                src = self.strategies[u][fmap[u][i]].outputs[idx]
-                best, best_k = math.inf, None
-                for k, s in enumerate(sv):
-                    if s.inputs[j] != src:
-                        continue
-                    c = costs[self.index[node]][k]
-                    for j2, (u2, idx2), rg2 in ins:
-                        if j2 != j:
-                            src2 = self.strategies[u2][fmap[u2][0]].outputs[idx2]
-                            c += self._convert((u2, idx2), rg2, src2, s.inputs[j2])[0]
-                    if c < best:
-                        best, best_k = c, k
-                if best_k is None:
-                    break  # it would reshard inside the group: let the ILP choose instead
-                f.append(best_k)
+                ks = by_input.get(self.strategies[u][fmap[u][i]].outputs[idx], [])
+                if len(ks) != 1:
+                    break  # it would reshard, or could choose among outputs: let the ILP decide
+                f.append(ks[0])
             if len(f) < len(self.strategies[r]):
                 continue
             root[node], fmap[node] = r, f
@@ -151,7 +143,7 @@ class Planner:
     def build_problem(self) -> tuple[ILPProblem, dict, dict, list]:
         """The group-level ILP, the follower maps, and the edge list used for the plan."""
         costs = [[sum(self.node_cost(node, s)[:2]) for s in self.strategies[node]] for node in self.nodes]
-        root, fmap = self._follow(costs)
+        root, fmap = self._follow()
         roots = [n for n in self.nodes if root[n] is n]
         gidx = {n: i for i, n in enumerate(roots)}
         gcost = [[0.0] * len(self.strategies[r]) for r in roots]

@@ -1,0 +1,69 @@
+"""Tier 1: the tracer's graph and annotations."""
+
+import pytest
+import torch
+
+import autoparallel
+from autoparallel.solver import CostModel
+from autoparallel.tracer import ColoTracer, node_info
+from models import batch_for, hf_model, to_meta
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_gpt2_graph_keeps_high_level_ops_and_annotations(device):
+    pytest.importorskip("transformers")
+    with torch.device(device):
+        model = hf_model("gpt2")
+    before = {n: p.clone() for n, p in model.named_parameters()} if device == "cpu" else None
+    traced = ColoTracer().trace(model, to_meta(batch_for("gpt2", 0)))
+    targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
+    for op in (aten.addmm.default, aten.linear.default, aten.scaled_dot_product_attention.default,
+               aten.layer_norm.default, aten.embedding.default, aten.cross_entropy_loss.default):
+        assert op in targets, op
+    assert aten._assert_tensor_metadata.default not in targets
+    # parameters are get_attr nodes under their names; the tied embedding is one node with both names
+    attrs = {n.target for n in traced.gm.graph.nodes if n.op == "get_attr"}
+    assert "transformer.h.0.attn.c_attn.weight" in attrs
+    tied = [names for names in traced.params.values() if len(names) > 1]
+    assert tied and set(tied[0]) == {"transformer.wte.weight", "lm_head.weight"}
+    # annotations
+    addmm = next(n for n in traced.gm.graph.nodes if n.target == aten.addmm.default)
+    info = node_info(addmm)
+    (m, n), _ = info.outputs[0]
+    k = addmm.args[1].meta["val"].shape[1]
+    assert info.flops == 2 * m * k * n
+    assert info.bytes == m * n * 4 and info.requires_grad
+    assert info.module_path == "transformer.h.0.attn.c_attn"
+    if before is not None:  # real weights untouched and still real
+        for name, p in model.named_parameters():
+            assert p.device.type == "cpu" and torch.equal(p, before[name])
+
+
+def test_llama_no_grad_rotary_region_is_inlined():
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = hf_model("llama")
+    traced = ColoTracer().trace(model, to_meta(batch_for("llama", 0)))
+    targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
+    detached = [n for n in traced.gm.graph.nodes if n.target == aten.detach.default]
+    assert detached and all(not node_info(n).requires_grad for n in detached)
+
+
+def test_user_cost_model_changes_the_plan():
+    class NoCollectives(CostModel):
+        """Collectives are prohibitively slow: the plan must not need any."""
+
+        def collective_time(self, kind, axis, nbytes):
+            return 1.0
+
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = hf_model("gpt2")
+    inputs = to_meta(batch_for("gpt2", 0))
+    default = autoparallel.plan(model, inputs, mesh_shape=(4,), cost_model=CostModel("cpu"))
+    assert default.collectives
+    plan = autoparallel.plan(model, inputs, mesh_shape=(4,), cost_model=NoCollectives("cpu"))
+    assert plan.collectives == []
