@@ -12,6 +12,19 @@ from models import MLP, batch_for, hf_model, to_meta
 MESHES = [(2,), (4,), (2, 2)]
 
 
+class ShardParams(autoparallel.CostModel):
+    """Gradient reduction made expensive: the planner splits every parameter it can, which
+    exercises tensor-parallel rules, all-to-alls and reduce-scatters on these toy models."""
+
+    def grad_reduction_time(self, axis, nbytes):
+        return 1e-3
+
+
+# the cpu preset makes compute count, so that these toy models get split (on the default a100
+# preset replicating them is cheapest); it picks data parallelism for the HF models
+COST_MODELS = {"cpu": lambda: autoparallel.CostModel("cpu"), "shard-params": lambda: ShardParams("cpu")}
+
+
 def per_rank(t):
     return list(t._local_tensors.values()) if isinstance(t, LocalTensor) else [t]
 
@@ -30,9 +43,10 @@ def build(name):
     return MLP() if name == "mlp" else hf_model(name).train()
 
 
+@pytest.mark.parametrize("cost", sorted(COST_MODELS))
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", ["mlp", "gpt2", "llama", "bert"])
-def test_parity(name, mesh_shape, sim_mesh):
+def test_parity(name, mesh_shape, cost, sim_mesh):
     if name != "mlp":
         pytest.importorskip("transformers")
     mesh = sim_mesh(mesh_shape)
@@ -41,10 +55,8 @@ def test_parity(name, mesh_shape, sim_mesh):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
-        # the cpu preset makes compute count, so that these toy models get split (on the default
-        # a100 preset replicating them is cheapest)
         pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
-                                              cost_model=autoparallel.CostModel("cpu"))
+                                              cost_model=COST_MODELS[cost]())
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
