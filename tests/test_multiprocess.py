@@ -75,9 +75,14 @@ def _worker(rank: int, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
+    import autoparallel
+
+    class _ShardParams(autoparallel.CostModel):
+        def grad_reduction_time(self, axis, nbytes):
+            return 1e-3
+
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
-        import autoparallel
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
@@ -87,7 +92,12 @@ def _worker(rank: int, port: int) -> None:
 
         batch = _batch(0)
         meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
-        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh)
+        # the cpu preset with gradient reduction priced high: every parameter split (tensor
+        # parallelism, all-to-all, reduce-scatter), rank 0's plan broadcast to the others
+        cost = _ShardParams("cpu")
+        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost)
+        assert pmodel.plan.collectives and all(
+            any(p.__class__.__name__ == "Shard" for p in spec) for spec in pmodel.plan.param_placements.values())
 
         opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
