@@ -9,28 +9,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..errors import InputMismatchError
+from ..fqn import get_attr, set_attr
 from ..plan import Plan
 from ..runtime_kernels import per_rank
-
-
-def _set_attr(root: nn.Module, fqn: str, value) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for p in path:
-        if p not in mod._modules:
-            mod.add_module(p, nn.Module())
-        mod = mod._modules[p]
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)
-
-
-def _get_attr(root: nn.Module, fqn: str) -> torch.Tensor:
-    obj = root
-    for p in fqn.split("."):
-        obj = getattr(obj, p)
-    return obj
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
@@ -82,7 +63,7 @@ class ParallelModule(nn.Module):
             groups.setdefault(id(t), (t, []))[1].append(name)
         target_of: dict[int, str] = {}
         for target in list(param_names) + list(buffer_names):
-            t = _get_attr(model, target)
+            t = get_attr(model, target)
             groups.setdefault(id(t), (t, []))
             target_of[id(t)] = target
         repl = (Replicate(),) * device_mesh.ndim
@@ -93,9 +74,9 @@ class ParallelModule(nn.Module):
             dt = DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
-                _set_attr(self, name, value)
+                set_attr(self, name, value)
         for target, value in constants.items():
-            _set_attr(self, target, value.to(device))
+            set_attr(self, target, value.to(device))
         gm = fx.GraphModule(self, graph, class_name="ParallelGraph")
         self.__dict__["graph_module"] = gm  # not a submodule: parameters are listed once, under model names
         self.__dict__["_coord"] = _mesh_coord(device_mesh)

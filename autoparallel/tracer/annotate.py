@@ -15,6 +15,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..fqn import get_attr
+
 aten = torch.ops.aten
 
 MATMUL_LIKE = {
@@ -92,7 +94,7 @@ def annotate_graph(gm: fx.GraphModule) -> None:
         outs = [(tuple(int(s) for s in v.shape), v.dtype) for v in vals]
         nbytes = sum(v.numel() * v.element_size() for v in vals)
         if node.op == "get_attr":
-            attr = _get(gm, node.target)
+            attr = get_attr(gm, node.target)
             rg = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
         elif node.op == "placeholder":
             rg = False
@@ -105,10 +107,3 @@ def annotate_graph(gm: fx.GraphModule) -> None:
         if flops is None:
             flops = float(sum(v.numel() for v in vals))
         node.meta["autoparallel"] = NodeInfo(outs, module_path(node), flops, int(nbytes), bool(rg))
-
-
-def _get(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import CaptureError
+from ..fqn import set_attr
 from .annotate import annotate_graph
 
 _HOP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -93,19 +94,6 @@ def _user_frame(exc: BaseException) -> str:
         return "(no frame outside torch)"
     code = (best.line or linecache.getline(best.filename, best.lineno)).strip()
     return f"{best.filename}:{best.lineno}: {code}"
-
-
-def _set_attr(root: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, torch.nn.Module())
-        mod = getattr(mod, p)
-    if isinstance(value, torch.nn.Parameter):
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)
 
 
 class ColoTracer:
@@ -181,7 +169,7 @@ class ColoTracer:
                         meta = torch.nn.Parameter(meta, requires_grad=requires_grad.get(spec.target, True))
                     else:
                         buffers[spec.target] = names
-                    _set_attr(root, spec.target, meta)
+                    set_attr(root, spec.target, meta)
                     new = graph.get_attr(spec.target)
                 elif spec.kind == InputKind.CONSTANT_TENSOR:
                     target = f"_constant_{len(constants)}"
