@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 from .codegen import ParallelModule
-from .errors import MeshMismatchError
+from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec
 from .passes import apply_plan
 from .placement import R
@@ -125,6 +125,11 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                                 f"{tuple(device_mesh.mesh.shape)}) but the world size is {world}; "
                                 "build the mesh over all ranks, e.g. init_device_mesh(device, shape) "
                                 "with prod(shape) == world size")
+    on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if on_meta:
+        raise AutoParallelError(f"autoparallelize needs the model's real weights, but {len(on_meta)} parameters "
+                                f"(e.g. {on_meta[0]}) are on the meta device; load or initialize them first, "
+                                "or use autoparallel.plan() to plan without weights")
     mesh = mesh_spec or MeshSpec.from_device_mesh(device_mesh)
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "

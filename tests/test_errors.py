@@ -55,3 +55,11 @@ def test_mesh_must_span_the_world(sim_mesh):
     half = init_device_mesh("cpu", (2,))
     with pytest.raises(autoparallel.MeshMismatchError, match="world size is 4"):
         autoparallel.autoparallelize(MLP(), to_meta(batch_for("mlp", 0)), device_mesh=half)
+
+
+def test_meta_weights_cannot_run(sim_mesh):
+    mesh = sim_mesh((2,))
+    with torch.device("meta"):
+        model = MLP()
+    with pytest.raises(autoparallel.AutoParallelError, match="real weights.*autoparallel.plan"):
+        autoparallel.autoparallelize(model, to_meta(batch_for("mlp", 0)), device_mesh=mesh)

@@ -26,7 +26,7 @@ def _mesh_coord(device_mesh) -> torch.Tensor:
         with mode.disable():
             per_rank = {r: coord(r) for r in mode.ranks}
         return mode.rank_map(lambda r: per_rank[r].clone())
-    return torch.tensor(device_mesh.get_coordinate(), dtype=torch.int64)
+    return torch.tensor(device_mesh.get_coordinate(), dtype=torch.int64, device=device_mesh.device_type)
 
 
 class ParallelModule(nn.Module):
