@@ -25,6 +25,7 @@ from ..runtime_kernels import grad_bucket, param_local, returned
 from ..placement import P, R, Spec, local_shape, partial_axes
 from ..plan import Plan
 from ..solver.layout import Move
+from ..solver.planner import output_leaves
 from ..strategies import tensor_inputs
 
 aten = torch.ops.aten
@@ -132,16 +133,14 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
     converted: dict[tuple, fx.Node] = {}
     ms = plan.mesh.shape
 
-    def value_spec(x: fx.Node) -> Spec:
-        return plan.nodes[x.name].output_specs[0]
-
     def fetch(dst_name: str, j: int, x: fx.Node) -> fx.Node:
+        """Input ``j`` of ``dst_name``: ``x`` converted as the plan says (shared by consumers)."""
         c = conv.get((dst_name, j))
         if c is None:
             return env[x]
-        key = (x, tuple(m.to_json().__repr__() for m in c.moves))
+        key = (x, tuple(c.moves))
         if key not in converted:
-            converted[key] = em.emit(env[x], c.shape, value_spec(x), c.moves)
+            converted[key] = em.emit(env[x], c.shape, plan.nodes[x.name].output_specs[0], c.moves)
         return converted[key]
 
     # parameters and buffers: local shards; gradients bucketed per (mesh axes replicated over, dtype)
@@ -183,7 +182,7 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
                            for s, l in zip(old, loc)]
                 args = tuple(args)
             if node.target == aten.cross_entropy_loss.default and partial_axes(np_.output_specs[0]):
-                env[node] = _sharded_mean_cross_entropy(graph, em, args, kwargs, np_.output_specs[0])
+                env[node] = _split_batch_cross_entropy(graph, em, args, kwargs, np_.output_specs[0])
                 continue
             new = graph.call_function(node.target, tuple(args), kwargs)
             new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
@@ -193,13 +192,14 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
                     new = graph.call_function(aten.div.Tensor, (new, pieces))
             env[node] = new
         elif node.op == "output":
+            returned_leaves = output_leaves(node)
             outs = []
-            for j, x in enumerate(pytree.tree_leaves(node.args[0])):
-                if not isinstance(x, fx.Node):
-                    outs.append(x)
+            for x in pytree.tree_leaves(node.args[0]):
+                if x not in returned_leaves:
+                    outs.append(env[x] if isinstance(x, fx.Node) else x)
                     continue
-                y = fetch("output", j, x)
-                if isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].dtype.is_floating_point:
+                y = fetch("output", returned_leaves.index(x), x)
+                if x.meta["val"].dtype.is_floating_point:
                     y = graph.call_function(returned, (y, world_size))
                 outs.append(y)
             graph.output(tuple(outs))
@@ -208,8 +208,9 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
     return graph
 
 
-def _sharded_mean_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:
-    """cross_entropy(mean) on a batch split over mesh axes: local sum / global kept count."""
+def _split_batch_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:
+    """cross_entropy on a batch split over mesh axes: the local sum, divided for 'mean' by
+    the global count of kept (non-ignored) targets."""
     names = ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
     vals = dict(zip(names, args))
     vals.update(kwargs)

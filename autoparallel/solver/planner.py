@@ -90,14 +90,14 @@ class Planner:
         return self.layout.convert(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
 
     def _edges(self):
-        """(consumer index or -1 for the output, arg position, value, requires_grad)."""
+        """(consumer node, or None for the graph output; input position; value; requires_grad)."""
         for node in self.nodes:
             if node.op != "call_function":
                 continue
             for j, (_, x) in enumerate(tensor_inputs(node)):
                 yield node, j, self._value(x), node_info(x).requires_grad
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
-        for j, x in enumerate(_output_leaves(out)):
+        for j, x in enumerate(output_leaves(out)):
             yield None, j, self._value(x), node_info(x).requires_grad
 
     # ------------------------------------------------------------ solve
@@ -107,8 +107,9 @@ class Planner:
         A node with exactly one data input whose producer has a choice (the others come
         from single-strategy producers) follows that producer when, for every spec the
         producer can give, it has exactly one strategy taking that spec as is: its
-        strategy is then a function of the group's choice and costs no optimality. Pointwise ops, views and cheap reductions thereby share the
-        variables of their producer instead of owning a one-hot vector and edges.
+        strategy is then a function of the group's choice and costs no optimality.
+        Pointwise ops, views and cheap reductions thereby share the variables of their
+        producer instead of owning a one-hot vector and edges.
 
         Returns:
             root: node → the root node of its group; fmap: node → per root strategy, the
@@ -243,7 +244,8 @@ class Planner:
         return Plan(self.mesh, nodes, conversions, params, estimate)
 
 
-def _output_leaves(out: fx.Node) -> list[fx.Node]:
+def output_leaves(out: fx.Node) -> list[fx.Node]:
+    """The tensors the graph returns, in order (the output's conversions are indexed by this)."""
     return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
             and isinstance(x.meta.get("val"), torch.Tensor)]
 
