@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
+from . import cache
 from .codegen import ParallelModule
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec
@@ -23,7 +24,16 @@ from .tracer import ColoTracer
 log = logging.getLogger("autoparallel")
 
 
-def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism):
+def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
+                 share_blocks, cache_dir):
+    cost_model = cost_model or CostModel()
+    options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks}
+    folder = cache.cache_path(cache_dir)
+    key = cache.plan_key(traced, mesh, cost_model, options) if folder is not None else ""
+    hit = cache.load(folder, key)
+    if hit is not None:
+        hit.solver_stats["cache"] = "hit"
+        return hit
     t0 = time.perf_counter()
     gen = StrategyGenerator(mesh.shape, strict=strict)
     strategies = gen.generate(traced.gm)
@@ -39,7 +49,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              sum(len(v) for v in strategies.values()), t1 - t0)
     names = dict(traced.params)
     names.update(traced.buffers)
-    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model or CostModel(), names)
+    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks)
     plan = planner.solve(solver=solver, time_limit=time_limit)
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
@@ -47,12 +57,15 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              plan.estimate["step_time_s"])
     plan.solver_stats["strategies_s"] = t1 - t0
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
+    plan.solver_stats["cache"] = "miss" if folder is not None else "off"
+    cache.store(folder, key, plan)
     return plan
 
 
 def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | None = None,
          cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
-         time_limit: float = 60.0, parallelism: str = "auto") -> Plan:
+         time_limit: float = 60.0, parallelism: str = "auto", share_blocks: bool = True,
+         cache_dir=None) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -67,6 +80,9 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
         time_limit: seconds for the ILP solver.
         parallelism: ``"auto"`` (search everything) or ``"data"`` (parameters replicated:
             prices plain data parallelism under the same cost model).
+        share_blocks: one set of ILP variables for identical repeated blocks (layers).
+        cache_dir: plan cache folder; ``None`` for the default (``AUTOPARALLEL_CACHE_DIR``
+            or ``~/.cache/autoparallel``), ``False`` for no cache (see :mod:`autoparallel.cache`).
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds.
@@ -83,7 +99,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     t_trace = time.perf_counter() - t0
     log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes), t_trace)
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                     time_limit=time_limit, parallelism=parallelism)
+                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir)
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -94,7 +110,8 @@ def _is_simulated() -> bool:
 
 def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: CostModel | None = None,
                     strict: bool = False, solver: str = "cbc", time_limit: float = 60.0,
-                    parallelism: str = "auto", mesh_spec: MeshSpec | None = None) -> ParallelModule:
+                    parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
+                    cache_dir=None) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -108,6 +125,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         solver / time_limit: the ILP solver and its limit in seconds.
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
+        share_blocks / cache_dir: see :func:`plan`.
 
     Returns:
         a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
@@ -141,7 +159,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                  time.perf_counter() - t0)
         if world == 1 or _is_simulated() or dist.get_rank() == 0:
             p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                             time_limit=time_limit, parallelism=parallelism)
+                             time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks,
+                             cache_dir=cache_dir)
             payload = [p.to_json()]
         else:
             payload = [None]

@@ -5,6 +5,12 @@ import pytest
 import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _plan_cache_in_tmp(tmp_path_factory):
+    """Plans cached by the tests go to a fresh folder, not the user's ~/.cache."""
+    os.environ["AUTOPARALLEL_CACHE_DIR"] = str(tmp_path_factory.mktemp("plan_cache"))
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

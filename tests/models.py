@@ -2,6 +2,16 @@
 
 import torch
 
+import autoparallel
+
+
+class ShardParams(autoparallel.CostModel):
+    """Gradient reduction made expensive: the planner splits every parameter it can, which
+    exercises tensor-parallel rules, all-to-alls and reduce-scatters on these toy models."""
+
+    def grad_reduction_time(self, axis, nbytes):
+        return 1e-3
+
 
 class MLP(torch.nn.Module):
     def __init__(self, hidden=256, layers=4, bias=True):
@@ -16,20 +26,20 @@ class MLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def hf_model(name):
+def hf_model(name, layers=2):
     import transformers as T
 
     T.logging.set_verbosity_error()
     if name == "gpt2":
-        cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0,
+        cfg = T.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0,
                            embd_pdrop=0, attn_pdrop=0, use_cache=False, bos_token_id=0, eos_token_id=0)
         return T.GPT2LMHeadModel(cfg)
     if name == "llama":
-        cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, use_cache=False)
         return T.LlamaForCausalLM(cfg)
     if name == "bert":
-        cfg = T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        cfg = T.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
                            vocab_size=128, max_position_embeddings=32, hidden_dropout_prob=0,
                            attention_probs_dropout_prob=0)
         return T.BertForMaskedLM(cfg)

@@ -7,17 +7,9 @@ import torch
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel
-from models import MLP, batch_for, hf_model, to_meta
+from models import MLP, ShardParams, batch_for, hf_model, to_meta
 
 MESHES = [(2,), (4,), (2, 2)]
-
-
-class ShardParams(autoparallel.CostModel):
-    """Gradient reduction made expensive: the planner splits every parameter it can, which
-    exercises tensor-parallel rules, all-to-alls and reduce-scatters on these toy models."""
-
-    def grad_reduction_time(self, axis, nbytes):
-        return 1e-3
 
 
 # the cpu preset makes compute count, so that these toy models get split (on the default a100

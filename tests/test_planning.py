@@ -13,7 +13,7 @@ from autoparallel.placement import P, R, spec_str
 from autoparallel.solver import CostModel, ILPEdge, ILPProblem, LayoutConverter, solve
 from autoparallel.strategies import enumerate_strategies
 from autoparallel.strategies.rules import linear_rule, matmul_rule
-from models import MLP, batch_for, hf_model, to_meta
+from models import MLP, ShardParams, batch_for, hf_model, to_meta
 
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 
@@ -168,3 +168,54 @@ def test_data_parallel_is_never_cheaper_than_the_search():
     dp = autoparallel.plan(model, inputs, mesh_shape=(2, 2), parallelism="data")
     assert all(all(p == R for p in s) for s in dp.param_placements.values())
     assert auto.estimate["step_time_s"] <= dp.estimate["step_time_s"] * (1 + 1e-9)
+
+
+def test_lp_relaxation_fractional_falls_back_to_integer_solve():
+    # three nodes pairwise penalized for agreeing: the LP relaxation (all halves) costs 0,
+    # any integral choice makes one pair agree
+    agree = [[1.0, 0.0], [0.0, 1.0]]
+    edges = [ILPEdge(0, 1, [0, 1], [0, 1], agree), ILPEdge(1, 2, [0, 1], [0, 1], agree),
+             ILPEdge(0, 2, [0, 1], [0, 1], agree)]
+    sol = solve(ILPProblem([[0.0, 0.0]] * 3, edges, ["a", "b", "c"]))
+    assert sol.objective == pytest.approx(1.0)
+    assert sol.stats["solver"] == "cbc" and sol.stats["status"] == "Optimal" and sol.stats["gap"] == 0.0
+
+
+@pytest.mark.parametrize("cost", [CostModel, ShardParams])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_block_sharing_loses_nothing(name, cost):
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = hf_model(name, layers=3)  # layer 2 shares the variables of layer 0
+    inputs = {k: torch.empty(32, 32, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
+    kw = dict(mesh_shape=(2, 2), cache_dir=False, cost_model=cost("cpu"))
+    shared = autoparallel.plan(model, inputs, **kw)
+    full = autoparallel.plan(model, inputs, share_blocks=False, **kw)
+    assert shared.solver_stats["shared_nodes"] > 0 and full.solver_stats["shared_nodes"] == 0
+    assert shared.solver_stats["binary_vars"] < full.solver_stats["binary_vars"]
+    assert shared.estimate["step_time_s"] == pytest.approx(full.estimate["step_time_s"], rel=1e-9)
+
+
+def test_plan_cache_roundtrip(tmp_path):
+    with torch.device("meta"):
+        model = MLP(hidden=64, layers=2)
+    inputs = {"x": torch.empty(8, 64, device="meta"), "y": torch.empty(8, 64, device="meta")}
+    first = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=tmp_path)
+    assert first.solver_stats["cache"] == "miss" and len(list(tmp_path.glob("*.json"))) == 1
+    second = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=tmp_path)
+    assert second.solver_stats["cache"] == "hit"
+    assert second.param_placements == first.param_placements and second.estimate == first.estimate
+    other = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=tmp_path)  # another mesh: solved
+    assert other.solver_stats["cache"] == "miss" and len(list(tmp_path.glob("*.json"))) == 2
+    off = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False)
+    assert off.solver_stats["cache"] == "off"
+
+
+def test_same_inputs_same_plan():
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = hf_model("gpt2")
+    inputs = to_meta(batch_for("gpt2", 0))
+    a = autoparallel.plan(model, inputs, mesh_shape=(2, 2), cache_dir=False)
+    b = autoparallel.plan(model, inputs, mesh_shape=(2, 2), cache_dir=False)
+    assert [n.to_json() for n in a.nodes.values()] == [n.to_json() for n in b.nodes.values()]

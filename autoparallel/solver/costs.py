@@ -82,8 +82,9 @@ class CostModel:
         return self
 
     def key(self) -> str:
-        """A string that identifies the pricing (for caches and plan metadata)."""
-        return f"{type(self).__name__}:{self.device}"
+        """A string that identifies the pricing, part of the plan-cache key; subclasses with
+        settings of their own should include them."""
+        return f"{type(self).__module__}.{type(self).__qualname__}:{self.device}"
 
     # ------------------------------------------------------------ communication
     def collective_time(self, kind: str, axis: int, nbytes: float) -> float:

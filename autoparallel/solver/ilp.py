@@ -17,6 +17,7 @@ skipped.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 import pulp
 
 from ..errors import InfeasiblePlanError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -163,18 +166,25 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     t_build = time.perf_counter() - t0
     # The LP relaxation is often integral (every x one-hot): then it is the ILP optimum.
     status = prob.solve(_make_solver(solver, time_limit))
-    integral = pulp.LpStatus[status] == "Optimal" and all(
-        min(abs(xv.varValue or 0.0), abs(1 - (xv.varValue or 0.0))) < 1e-6 for xv in xvars)
+    lp_ok = pulp.LpStatus[status] == "Optimal"
+    lp_bound = (pulp.value(prob.objective) or 0.0) / _SCALE if lp_ok else None
+    integral = lp_ok and all(min(abs(xv.varValue or 0.0), abs(1 - (xv.varValue or 0.0))) < 1e-6 for xv in xvars)
     used = f"{solver} (LP relaxation, integral)"
+    optimal = integral
     if not integral:
         for xv in xvars:
             xv.cat = pulp.LpInteger
-        status = prob.solve(_make_solver(solver, time_limit))
+        remaining = max(1.0, time_limit - (time.perf_counter() - t0 - t_build))
+        status = prob.solve(_make_solver(solver, remaining))
         used = solver
+        optimal = getattr(prob, "sol_status", pulp.LpSolutionOptimal) == pulp.LpSolutionOptimal
     n_bin = len(xvars)
     t_solve = time.perf_counter() - t0 - t_build
     status_name = pulp.LpStatus[status]
-    if status_name != "Optimal" and pulp.value(prob.objective) is None:
+    if pulp.value(prob.objective) is None or any(xv.varValue is None for xv in xvars):
+        if t_solve >= time_limit:
+            raise InfeasiblePlanError(f"the sharding ILP found no plan within time_limit={time_limit} s; "
+                                      "pass a larger time_limit")
         raise InfeasiblePlanError(
             f"the sharding ILP is {status_name.lower()}: no combination of strategies connects every "
             "producer to its consumers. Check for ops whose rules allow no common layout; run with "
@@ -189,7 +199,11 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     obj = sum(lin[v][choice[v]] for v in range(n))
     for e in pair_edges:
         obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
-    stats = {"solver": used, "status": status_name, "binary_vars": n_bin, "edge_vars": n_cont,
-             "constraints": len(prob.constraints), "build_s": t_build, "solve_s": t_solve,
-             "objective_s": obj}
+    gap = 0.0 if optimal or lp_bound is None or obj <= 0 else max(0.0, (obj - lp_bound) / obj)
+    if not optimal:
+        log.warning("the sharding ILP stopped at its time limit (%.0f s): using the best plan found, within "
+                    "%.2f%% of the LP lower bound; pass a larger time_limit for the optimum", time_limit, 100 * gap)
+    stats = {"solver": used, "status": "Optimal" if optimal else "Time limit (best found)",
+             "gap": gap, "lp_bound_s": lp_bound, "binary_vars": n_bin, "edge_vars": n_cont,
+             "constraints": len(prob.constraints), "build_s": t_build, "solve_s": t_solve, "objective_s": obj}
     return ILPSolution(choice, obj, stats)

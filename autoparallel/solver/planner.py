@@ -15,6 +15,7 @@ from ..placement import R, Spec, local_shape, partial_axes
 from ..plan import Conversion, NodePlan, Plan
 from ..strategies import Strategy, tensor_inputs
 from ..tracer.annotate import node_info
+from .blocks import block_key, find_repeated_blocks
 from .costs import CostModel
 from .ilp import ILPEdge, ILPProblem, solve
 from .layout import LayoutConverter
@@ -43,9 +44,12 @@ class Planner:
         mesh: the MeshSpec.
         cost_model: a :class:`CostModel` (bound to ``mesh`` here).
         param_names: graph target → all names of that parameter/buffer.
+        share_blocks: give identical instances of a repeated block one set of ILP
+            variables (:mod:`autoparallel.solver.blocks`).
     """
 
-    def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names):
+    def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
+                 share_blocks: bool = True):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -56,6 +60,8 @@ class Planner:
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
+        self._block = {n: block_key(n) for n in self.nodes}
+        self.template = find_repeated_blocks(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
 
     # ------------------------------------------------------------ pricing
     def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
@@ -125,6 +131,8 @@ class Planner:
             if len(varying) != 1:
                 continue
             j, (u, idx), rg = varying[0]
+            if self._block[node] != self._block.get(u):
+                continue  # followers stay inside one block instance, so that instances match
             r = root[u]
             sv = self.strategies[node]
             by_input: dict = {}
@@ -141,52 +149,83 @@ class Planner:
             root[node], fmap[node] = r, f
         return root, fmap
 
-    def build_problem(self) -> tuple[ILPProblem, dict, dict, list]:
-        """The group-level ILP, the follower maps, and the edge list used for the plan."""
-        costs = [[sum(self.node_cost(node, s)[:2]) for s in self.strategies[node]] for node in self.nodes]
+    def _shared(self, root, fmap) -> dict[fx.Node, fx.Node]:
+        """The block template of every node, dropping instances whose grouping differs."""
+        tmpl = dict(self.template)
+        bad = set()
+        for n, t in tmpl.items():
+            if t is not n and (tmpl.get(root[n]) is not root[t] or fmap[n] != fmap[t]):
+                bad.add(self._block[n])
+        for n in tmpl:
+            if self._block[n] in bad:
+                tmpl[n] = n
+        return tmpl
+
+    def build_problem(self):
+        """The ILP over shared groups, plus what :meth:`solve` needs to map the solution back."""
         root, fmap = self._follow()
-        roots = [n for n in self.nodes if root[n] is n]
-        gidx = {n: i for i, n in enumerate(roots)}
-        gcost = [[0.0] * len(self.strategies[r]) for r in roots]
+        tmpl = self._shared(root, fmap)
+        croots = [n for n in self.nodes if root[n] is n and tmpl[n] is n]
+        gidx = {n: i for i, n in enumerate(croots)}
+        gcost = [[0.0] * len(self.strategies[r]) for r in croots]
+        node_costs: dict[fx.Node, list[float]] = {}
         for node in self.nodes:
-            g = gidx[root[node]]
-            for i, k in enumerate(fmap[node]):
-                gcost[g][i] += costs[self.index[node]][k]
-        out_g = len(roots)
+            t = tmpl[node]
+            if t not in node_costs:
+                node_costs[t] = [sum(self.node_cost(t, s)[:2]) for s in self.strategies[t]]
+            g = gidx[root[t]]
+            for i, k in enumerate(fmap[t]):
+                gcost[g][i] += node_costs[t][k]
+        out_g = len(croots)
         gcost.append([0.0])
         repl = (R,) * self.mesh.ndim
-        edges, meta = [], []
+        meta, acc = [], {}
         for consumer, j, (u, idx), rg in self._edges():
-            ru = root[u]
-            src_specs = [self.strategies[u][k].outputs[idx] for k in fmap[u]]
-            if consumer is None:
-                rv, dst_specs = None, [repl]
-            else:
-                rv = root[consumer]
-                dst_specs = [self.strategies[consumer][k].inputs[j] for k in fmap[consumer]]
             meta.append((consumer, j, (u, idx), rg))
-            if rv is ru:  # inside one group: a cost per root strategy
-                for i, (a, b) in enumerate(zip(src_specs, dst_specs)):
-                    gcost[gidx[ru]][i] += self._convert((u, idx), rg, a, b)[0]
+            tc, tu = (tmpl[consumer] if consumer is not None else None), tmpl[u]
+            key = (tc, j, tu, idx)
+            if key in acc:
+                acc[key][1] += 1
+                continue
+            src_specs = [self.strategies[tu][k].outputs[idx] for k in fmap[tu]]
+            if tc is None:
+                dst_specs = [repl]
+            else:
+                dst_specs = [self.strategies[tc][k].inputs[j] for k in fmap[tc]]
+            gu = gidx[root[tu]]
+            gv = out_g if tc is None else gidx[root[tc]]
+            if gu == gv:  # inside one group: a cost per strategy of the group
+                vec = [self._convert((tu, idx), rg, a, b)[0] for a, b in zip(src_specs, dst_specs)]
+                acc[key] = [("internal", gu, vec), 1]
                 continue
             o_cls, o_list = _classes(src_specs)
             i_cls, i_list = _classes(dst_specs)
-            cost = [[self._convert((u, idx), rg, o, i)[0] for i in i_list] for o in o_list]
-            edges.append(ILPEdge(gidx[ru], out_g if rv is None else gidx[rv], o_cls, i_cls, cost))
-        names = [r.name for r in roots] + ["output"]
-        return ILPProblem(gcost, edges, names), root, fmap, meta
+            cost = [[self._convert((tu, idx), rg, o, i)[0] for i in i_list] for o in o_list]
+            acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
+        edges = []
+        for item, mult in acc.values():
+            if item[0] == "internal":
+                for i, c in enumerate(item[2]):
+                    gcost[item[1]][i] += c * mult
+            else:
+                e = item[1]
+                e.cost = [[c * mult for c in row] for row in e.cost]
+                edges.append(e)
+        names = [r.name for r in croots] + ["output"]
+        shared = sum(1 for n in self.nodes if tmpl[n] is not n)
+        info = {"groups": sum(1 for n in self.nodes if root[n] is n), "ilp_groups": len(croots),
+                "shared_nodes": shared}
+        return ILPProblem(gcost, edges, names), root, fmap, tmpl, gidx, meta, info
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0) -> Plan:
         t0 = time.perf_counter()
-        problem, root, fmap, meta = self.build_problem()
+        problem, root, fmap, tmpl, gidx, meta, info = self.build_problem()
         t_costs = time.perf_counter() - t0
         sol = solve(problem, solver=solver, time_limit=time_limit)
-        roots = [n for n in self.nodes if root[n] is n]
-        gchoice = {r: sol.choice[i] for i, r in enumerate(roots)}
-        choice = {n: self.strategies[n][fmap[n][gchoice[root[n]]]] for n in self.nodes}
+        choice = {n: self.strategies[n][fmap[n][sol.choice[gidx[tmpl[root[n]]]]]] for n in self.nodes}
         plan = self.make_plan(choice, meta)
-        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), groups=len(roots), edges=len(problem.edges),
-                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs)
+        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
+                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs, **info)
         return plan
 
     def make_plan(self, choice: dict[fx.Node, Strategy], meta) -> Plan:
