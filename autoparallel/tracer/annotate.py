@@ -71,9 +71,14 @@ def _tensor_vals(val) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
 
 
-def _flops(node: fx.Node) -> float | None:
+def _flops(node: fx.Node, memo: dict) -> float | None:
+    """FLOPs of a matmul-like node, counted once per distinct (op, shapes, arguments)."""
     if node.target not in MATMUL_LIKE:
         return None
+    key = (node.target, repr(pytree.tree_map_only(
+        fx.Node, lambda n: (tuple(n.meta["val"].shape), n.meta["val"].dtype), (node.args, node.kwargs))))
+    if key in memo:
+        return memo[key]
     args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
     vals = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
@@ -82,11 +87,13 @@ def _flops(node: fx.Node) -> float | None:
     counter = FlopCounterMode(display=False)
     with fake_mode, counter:
         node.target(*args, **kwargs)
-    return float(counter.get_total_flops())
+    memo[key] = float(counter.get_total_flops())
+    return memo[key]
 
 
 def annotate_graph(gm: fx.GraphModule) -> None:
     """Attach a :class:`NodeInfo` to every node of ``gm`` that produces tensors."""
+    memo: dict = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -103,7 +110,7 @@ def annotate_graph(gm: fx.GraphModule) -> None:
             rg = (node.target not in _NO_GRAD_OPS
                   and any(n.meta["autoparallel"].requires_grad for n in inputs if "autoparallel" in n.meta)
                   and any(dt.is_floating_point for _, dt in outs))
-        flops = _flops(node) if node.op == "call_function" else None
+        flops = _flops(node, memo) if node.op == "call_function" else None
         if flops is None:
             flops = float(sum(v.numel() for v in vals))
         node.meta["autoparallel"] = NodeInfo(outs, module_path(node), flops, int(nbytes), bool(rg))

@@ -83,6 +83,20 @@ def _meta_weights(model: torch.nn.Module):
             store[k] = t
 
 
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Capture without per-node Python stack traces: a third of export's time on GPT-2 XL,
+    and unused (nodes keep ``nn_module_stack``; capture errors carry their own traceback)."""
+    import torch.fx.config as fx_config
+
+    old = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = old
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and autoparallel, as 'file:line: code'."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -125,7 +139,7 @@ class ColoTracer:
                    + list(model.named_buffers(remove_duplicate=False))}
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
         try:
-            with _meta_weights(model):
+            with _meta_weights(model), _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "cannot capture"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
