@@ -167,9 +167,16 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     if world > 1 and not _is_simulated():
         dist.broadcast_object_list(payload, src=0)
         p = Plan.from_json(payload[0])
+    return emit(model, traced, p, device_mesh)
+
+
+def emit(model: nn.Module, traced, plan: Plan, device_mesh) -> ParallelModule:
+    """Apply ``plan`` to the traced graph of ``model`` and build the ParallelModule (the last
+    two stages of :func:`autoparallelize`; also used to run hand-picked plans)."""
     groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
     targets = set(traced.params) | set(traced.buffers)
-    graph = apply_plan(traced.gm, p, groups, device_mesh.device_type, targets, world)
-    return ParallelModule(model, graph, p, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
+    graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
+                       traced_on=traced.device)
+    return ParallelModule(model, graph, plan, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
                           input_meta=traced.input_meta, param_names=traced.params,
                           buffer_names=traced.buffers, constants=traced.constants)

@@ -7,8 +7,9 @@ shards by :func:`~autoparallel.runtime_kernels.param_local`; gradients of parame
 replicated along mesh axes are all-reduced in buckets (:func:`~autoparallel.runtime_kernels.grad_bucket`). Every resharding of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
-arguments of views and expands are rewritten to local shapes, ``device=meta`` to the run
-device, and a batch-split ``cross_entropy_loss`` with mean reduction becomes a local sum
+arguments of views and expands are rewritten to local shapes, the capture device to the
+run device, squeezes to reshapes (a split dim may be 1 locally without being squeezable),
+and a batch-split ``cross_entropy_loss`` with mean reduction becomes a local sum
 divided by the global count of kept targets.
 """
 
@@ -31,6 +32,7 @@ from ..strategies import tensor_inputs
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+_SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 _SHAPE_ARG_OPS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
                   aten.expand.default: 1}
 
@@ -104,14 +106,14 @@ class _Emitter:
         return x
 
 
-def _replace_device(v, device):
-    if isinstance(v, torch.device) and v.type == "meta":
+def _replace_device(v, traced_on: str, device: str):
+    if isinstance(v, torch.device) and v.type == traced_on:
         return torch.device(device)
     return v
 
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
-               param_targets: set[str], world_size: int) -> fx.Graph:
+               param_targets: set[str], world_size: int, traced_on: str = "meta") -> fx.Graph:
     """Build the per-device graph for ``plan``.
 
     Args:
@@ -121,6 +123,7 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
         device: device type the module runs on (e.g. ``"cpu"``, ``"cuda"``).
         param_targets: ``get_attr`` targets that are parameters or buffers (DTensors).
         world_size: number of devices in the mesh.
+        traced_on: device type the graph was captured on; its ``device=`` arguments move to ``device``.
 
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
@@ -169,7 +172,7 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
         elif node.op == "call_function":
             np_ = plan.nodes[node.name]
             leaves, spec_tree = pytree.tree_flatten((node.args, node.kwargs))
-            new_leaves = [env[x] if isinstance(x, fx.Node) else _replace_device(x, device) for x in leaves]
+            new_leaves = [env[x] if isinstance(x, fx.Node) else _replace_device(x, traced_on, device) for x in leaves]
             for j, (li, x) in enumerate(tensor_inputs(node)):
                 new_leaves[li] = fetch(node.name, j, x)
             args, kwargs = pytree.tree_unflatten(new_leaves, spec_tree)
@@ -181,10 +184,15 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
                 args[i] = [-1 if (node.target == aten.expand.default and s == -1) else l
                            for s, l in zip(old, loc)]
                 args = tuple(args)
+            if node.target in _SQUEEZES:
+                target = aten.reshape.default
+                args = (args[0], list(local_shape(np_.out_shapes[0], np_.output_specs[0], ms)))
+            else:
+                target = node.target
             if node.target == aten.cross_entropy_loss.default and partial_axes(np_.output_specs[0]):
                 env[node] = _split_batch_cross_entropy(graph, em, args, kwargs, np_.output_specs[0])
                 continue
-            new = graph.call_function(node.target, tuple(args), kwargs)
+            new = graph.call_function(target, tuple(args), kwargs)
             new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
             if node.target in (aten.mean.dim, aten.mean.default):
                 pieces = _mean_pieces(node, np_, ms)

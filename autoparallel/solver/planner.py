@@ -228,8 +228,9 @@ class Planner:
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs, **info)
         return plan
 
-    def make_plan(self, choice: dict[fx.Node, Strategy], meta) -> Plan:
-        """Build the Plan of a given strategy choice."""
+    def make_plan(self, choice: dict[fx.Node, Strategy], meta=None) -> Plan:
+        """Build the Plan of a given strategy choice (``meta``: the edges, default all)."""
+        meta = list(self._edges()) if meta is None else meta
         nodes: dict[str, NodePlan] = {}
         for node in self.gm.graph.nodes:
             if node.op == "output":

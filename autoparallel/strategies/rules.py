@@ -288,6 +288,7 @@ def sum_rule(node, in_shapes, out_shapes):
 
 @rule(aten.amax.default, aten.amin.default, aten.max.dim,
       aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction, aten.std.correction,
+      aten.var.dim, aten.std.dim,
       aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.norm.ScalarOpt_dim, aten.logsumexp.default,
       aten.var_mean.correction)
 def reduce_whole_rule(node, in_shapes, out_shapes):

@@ -5,8 +5,9 @@ named by their fully qualified names in the original model; tensor constants lif
 export become ``get_attr`` nodes on ``_constant_<i>``; user inputs stay placeholders in
 the order of the flattened ``(args, kwargs)``. ``no_grad`` regions that export wraps in
 ``wrap_with_set_grad_enabled`` are inlined, their outputs detached, which keeps their
-meaning. Nothing is allocated on a real device: the model's parameters and buffers are
-swapped for meta tensors for the duration of the capture (ties preserved) and put back.
+meaning. Nothing is allocated: inputs are meta tensors for a meta-device model and
+FakeTensors on the model's device otherwise, so tensors the forward creates (``arange``
+without ``device=``) land on the same device as the weights, as they do when it runs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import linecache
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import CaptureError
@@ -43,6 +44,8 @@ class TracedModel:
         buffers: graph target → buffer names.
         constants: graph target → the constant's real value (lifted by export).
         input_meta: ``(shape, dtype)`` of each flattened user input.
+        device: device type the model was captured on (``device=`` arguments in the graph
+            name it; codegen moves them to the run device).
     """
 
     gm: fx.GraphModule
@@ -53,34 +56,30 @@ class TracedModel:
     constants: dict[str, torch.Tensor]
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    device: str = "meta"
 
 
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
-    return x
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def _meta_weights(model: torch.nn.Module):
-    """Temporarily replace every parameter and buffer with a meta tensor (ties kept)."""
-    saved = []
-    memo: dict[int, torch.Tensor] = {}
-    for mod in model.modules():
-        for store in (mod._parameters, mod._buffers):
-            for k, t in list(store.items()):
-                if t is None or t.device.type == "meta":
-                    continue
-                if id(t) not in memo:
-                    m = torch.empty_like(t, device="meta")
-                    memo[id(t)] = torch.nn.Parameter(m, t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
-                saved.append((store, k, t))
-                store[k] = memo[id(t)]
-    try:
-        yield
-    finally:
-        for store, k, t in saved:
-            store[k] = t
+def _example_inputs(meta_inputs, device: torch.device):
+    """``(args, kwargs)`` of tensors with the inputs' shapes and dtypes, on the model's device,
+    allocating nothing: meta tensors for a meta model, FakeTensors otherwise (export then
+    fakifies the real weights in the same mode, without copying them)."""
+    args, kwargs = (tuple(), dict(meta_inputs)) if isinstance(meta_inputs, dict) else (tuple(meta_inputs), {})
+    if device.type == "meta":
+        def make(x):
+            return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def make(x):
+            with mode:
+                return torch.empty(tuple(x.shape), dtype=x.dtype, device=device)
+    return pytree.tree_map_only(torch.Tensor, make, (args, kwargs))
 
 
 @contextlib.contextmanager
@@ -128,8 +127,8 @@ class ColoTracer:
     """
 
     def trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
-        args, kwargs = (tuple(), dict(meta_inputs)) if isinstance(meta_inputs, dict) else (tuple(meta_inputs), {})
-        args, kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+        device = _model_device(model)
+        args, kwargs = _example_inputs(meta_inputs, device)
         names_by_id: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names_by_id.setdefault(id(p), []).append(n)
@@ -139,7 +138,7 @@ class ColoTracer:
                    + list(model.named_buffers(remove_duplicate=False))}
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
         try:
-            with _meta_weights(model), _no_stack_traces():
+            with _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "cannot capture"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -149,7 +148,9 @@ class ColoTracer:
                 "  Make the forward traceable (no data-dependent Python control flow, e.g. replace "
                 "`if x.sum() > 0:` with torch.where/torch.cond), or pass inputs the model accepts."
             ) from e
-        return self._from_exported(ep, names_by_id, by_name, requires_grad)
+        traced = self._from_exported(ep, names_by_id, by_name, requires_grad)
+        traced.device = device.type
+        return traced
 
     def _from_exported(self, ep, names_by_id, by_name, requires_grad) -> TracedModel:
         sig = ep.graph_signature
