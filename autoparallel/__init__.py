@@ -5,7 +5,7 @@ every device of the mesh and computes what the single-device model computes;
 ``plan(model, meta_inputs, mesh_shape=...)`` runs the same search with no devices.
 """
 
-from .api import autoparallelize, plan
+from .api import autoparallelize, coverage, plan
 from .codegen import ParallelModule
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
                      MeshMismatchError, ShardingRuleError)
@@ -13,6 +13,6 @@ from .mesh import MeshSpec
 from .plan import Plan
 from .solver import CostModel, DevicePreset
 
-__all__ = ["autoparallelize", "plan", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
+__all__ = ["autoparallelize", "plan", "coverage", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
            "MeshMismatchError", "ShardingRuleError"]

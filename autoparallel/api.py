@@ -19,6 +19,7 @@ from .plan import Plan
 from .solver import CostModel
 from .solver.planner import Planner
 from .strategies import StrategyGenerator
+from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
 
 log = logging.getLogger("autoparallel")
@@ -102,6 +103,16 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
                      time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir)
     p.solver_stats["trace_s"] = t_trace
     return p
+
+
+def coverage(model: nn.Module, meta_inputs) -> CoverageReport:
+    """Every ATen op of ``model``'s captured graph, with where its strategies come from (own
+    rule, replicated by rule, replicate fallback) and the module paths that use it.
+
+    Raises:
+        CaptureError: when torch.export cannot capture the model.
+    """
+    return coverage_of(ColoTracer().trace(model, meta_inputs).gm)
 
 
 def _is_simulated() -> bool:

@@ -6,7 +6,7 @@ import torch
 import autoparallel
 from autoparallel.solver import CostModel
 from autoparallel.tracer import ColoTracer, node_info
-from models import batch_for, hf_model, to_meta
+from models import MLP, batch_for, hf_model, to_meta
 
 aten = torch.ops.aten
 
@@ -67,3 +67,26 @@ def test_user_cost_model_changes_the_plan():
     assert default.collectives
     plan = autoparallel.plan(model, inputs, mesh_shape=(4,), cost_model=NoCollectives("cpu"))
     assert plan.collectives == []
+
+
+def test_coverage_report_lists_every_op_and_its_source():
+    report = autoparallel.coverage(MLP(), to_meta(batch_for("mlp", 0)))
+    by_op = {r.op: r for r in report.rows}
+    assert by_op["aten.linear.default"].source == "rule" and by_op["aten.linear.default"].nodes == 4
+    assert by_op["aten.mse_loss.default"].source == "replicate fallback"
+    assert report.rows[0].source == "replicate fallback"  # what needs attention comes first
+    assert "layers.0" in by_op["aten.linear.default"].modules
+    assert report.counts()["replicate fallback"] == 2 and "ops:" in str(report)
+
+
+def test_cli_plan_and_coverage(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from autoparallel.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama", "--mesh", "2x2", "--device", "cpu", "--json", str(out)]) == 0
+    assert "estimated step" in capsys.readouterr().out
+    plan = autoparallel.Plan.from_json(out.read_text())
+    assert plan.mesh.shape == (2, 2)
+    assert main(["coverage", "--model", "bert"]) == 0
+    assert "aten.scaled_dot_product_attention.default" in capsys.readouterr().out
