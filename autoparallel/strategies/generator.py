@@ -81,12 +81,11 @@ class StrategyGenerator:
                 out[node] = enumerate_strategies(dm, self.mesh_shape)
             else:
                 out[node] = self._op_strategies(node, info)
-        if self.fallbacks:
+        if self.fallbacks and self.strict:
             lines = [f"  {op} (used in: {', '.join(sorted(p or '<root>' for p in paths))})"
                      for op, paths in sorted(self.fallbacks.items())]
-            if self.strict:
-                raise ShardingRuleError("no sharding rule for these ops (strict=True):\n" + "\n".join(lines)
-                                        + "\n  Pass strict=False to run them replicated.")
+            raise ShardingRuleError("no sharding rule for these ops (strict=True):\n" + "\n".join(lines)
+                                    + "\n  Pass strict=False to run them replicated.")
         return out
 
     def _op_strategies(self, node: fx.Node, info) -> list[Strategy]:
