@@ -43,6 +43,10 @@ def hf_model(name, layers=2):
                            vocab_size=128, max_position_embeddings=32, hidden_dropout_prob=0,
                            attention_probs_dropout_prob=0)
         return T.BertForMaskedLM(cfg)
+    if name == "t5":
+        cfg = T.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_decoder_layers=layers,
+                         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+        return T.T5ForConditionalGeneration(cfg)
     raise ValueError(name)
 
 
@@ -51,7 +55,7 @@ def batch_for(name, seed, batch=8, seq=16):
     if name == "mlp":
         return {"x": torch.randn(batch, 256, generator=g), "y": torch.randn(batch, 256, generator=g)}
     b = {"input_ids": torch.randint(0, 128, (batch, seq), generator=g),
-         "labels": torch.randint(0, 128, (batch, seq), generator=g)}
+         "labels": torch.randint(0, 128, (batch, seq if name != "t5" else seq - 4), generator=g)}
     if name == "bert":
         b["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
         b["labels"][:, ::3] = -100  # MLM: most positions are ignored

@@ -37,7 +37,7 @@ def build(name):
 
 @pytest.mark.parametrize("cost", sorted(COST_MODELS))
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama", "bert", "t5"])
 def test_parity(name, mesh_shape, cost, sim_mesh):
     if name != "mlp":
         pytest.importorskip("transformers")
@@ -83,3 +83,37 @@ def test_outputs_keep_model_structure_and_tied_weights(sim_mesh):
     assert pmodel.transformer.wte.weight is pmodel.lm_head.weight
     code = pmodel.graph_module.code
     assert "_c10d_functional" in code and "wait_tensor" in code
+
+
+class ShiftRight(torch.nn.Module):
+    """Writes into a view in place (like T5's `_shift_right`): resharding the view or its base
+    would make the write land in a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = torch.zeros_like(y)  # may be split like y
+        z[:, 1:] = y[:, :-1]
+        z[:, 0] = 1.0
+        return (self.lin(z) * y).sum()
+
+
+@pytest.mark.parametrize("cost", sorted(COST_MODELS))
+def test_in_place_writes_into_views(cost, sim_mesh):
+    mesh = sim_mesh((2, 2))
+    torch.manual_seed(0)
+    ref = ShiftRight()
+    x = torch.randn(64, 256)
+    want = ref(x)
+    want.backward()
+    with LocalTensorMode(frozenset(range(4))):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), (torch.empty(64, 256, device="meta"),),
+                                              device_mesh=mesh, cost_model=COST_MODELS[cost]())
+        got = pmodel(x)
+        got.backward()
+        assert_close("loss", got.detach(), want.detach())
+        for pname, p in pmodel.named_parameters():
+            assert_close(f"grad of {pname}", p.grad.full_tensor(), dict(ref.named_parameters())[pname].grad)

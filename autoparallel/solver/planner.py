@@ -61,6 +61,7 @@ class Planner:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
         self._block = {n: block_key(n) for n in self.nodes}
+        self._pinned = _aliased_edges(self.nodes)
         self.template = find_repeated_blocks(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
 
     # ------------------------------------------------------------ pricing
@@ -94,6 +95,13 @@ class Planner:
     def _convert(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
         shape, dtype = node_info(val[0]).outputs[val[1]]
         return self.layout.convert(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
+
+    def _edge_cost(self, key, val, rg, src: Spec, dst: Spec) -> float:
+        """Conversion seconds on edge ``key`` = (consumer, input, producer, output index);
+        impossible on edges into in-place ops and their view chains (see _aliased_edges)."""
+        if src != dst and (key[0], key[1]) in self._pinned:
+            return math.inf
+        return self._convert(val, rg, src, dst)[0]
 
     def _edges(self):
         """(consumer node, or None for the graph output; input position; value; requires_grad)."""
@@ -195,12 +203,12 @@ class Planner:
             gu = gidx[root[tu]]
             gv = out_g if tc is None else gidx[root[tc]]
             if gu == gv:  # inside one group: a cost per strategy of the group
-                vec = [self._convert((tu, idx), rg, a, b)[0] for a, b in zip(src_specs, dst_specs)]
+                vec = [self._edge_cost(key, (tu, idx), rg, a, b) for a, b in zip(src_specs, dst_specs)]
                 acc[key] = [("internal", gu, vec), 1]
                 continue
             o_cls, o_list = _classes(src_specs)
             i_cls, i_list = _classes(dst_specs)
-            cost = [[self._convert((tu, idx), rg, o, i)[0] for i in i_list] for o in o_list]
+            cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
             acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
         edges = []
         for item, mult in acc.values():
@@ -282,6 +290,35 @@ class Planner:
         estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
                     "peak_memory_bytes": weights + acts, "weights_bytes": weights, "activation_bytes": acts}
         return Plan(self.mesh, nodes, conversions, params, estimate)
+
+
+_VIEW_OPS = {aten.view.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.permute.default,
+             aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
+             aten.as_strided.default, aten.t.default, aten.diagonal.default, aten.narrow.default}
+
+
+def _aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
+    """(consumer, input position) edges that must not be resharded: the mutated argument of
+    an in-place op, and every view edge back to the tensor it aliases. A conversion there
+    would make the op write into a copy, silently losing the mutation."""
+    pinned = set()
+    for node in nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        inputs = tensor_inputs(node)
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write or i >= len(node.args):
+                continue
+            leaf = len(pytree.tree_leaves(node.args[:i]))
+            for j, (li, x) in enumerate(inputs):
+                if li != leaf:
+                    continue
+                pinned.add((node, j))
+                while x.op == "call_function" and x.target in _VIEW_OPS:  # walk back to the base
+                    pinned.add((x, 0))
+                    x = tensor_inputs(x)[0][1]
+    return pinned
 
 
 def output_leaves(out: fx.Node) -> list[fx.Node]:
