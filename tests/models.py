@@ -26,6 +26,28 @@ class MLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class CNN(torch.nn.Module):
+    """Convolutions (plain, depthwise, pointwise), pooling, adaptive pooling, flatten,
+    LayerNorm over channels and GELU/SiLU/ReLU: the vision building blocks."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.pw = nn.Conv2d(32, 64, 1, bias=False)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        F = torch.nn.functional
+        x = F.max_pool2d(torch.relu(self.stem(x)), 2)
+        x = F.avg_pool2d(self.pw(F.silu(self.dw(x))), 2)
+        x = F.gelu(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        return F.cross_entropy(self.head(x), y)
+
+
 def hf_model(name, layers=2):
     import transformers as T
 
@@ -52,6 +74,8 @@ def hf_model(name, layers=2):
 
 def batch_for(name, seed, batch=8, seq=16):
     g = torch.Generator().manual_seed(seed)
+    if name == "cnn":
+        return {"x": torch.randn(batch, 3, 16, 16, generator=g), "y": torch.randint(0, 10, (batch,), generator=g)}
     if name == "mlp":
         return {"x": torch.randn(batch, 256, generator=g), "y": torch.randn(batch, 256, generator=g)}
     b = {"input_ids": torch.randint(0, 128, (batch, seq), generator=g),

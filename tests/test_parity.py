@@ -7,7 +7,7 @@ import torch
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel
-from models import MLP, ShardParams, batch_for, hf_model, to_meta
+from models import CNN, MLP, ShardParams, batch_for, hf_model, to_meta
 
 MESHES = [(2,), (4,), (2, 2)]
 
@@ -32,14 +32,14 @@ def loss_of(out):
 
 def build(name):
     torch.manual_seed(0)
-    return MLP() if name == "mlp" else hf_model(name).train()
+    return MLP() if name == "mlp" else CNN() if name == "cnn" else hf_model(name).train()
 
 
 @pytest.mark.parametrize("cost", sorted(COST_MODELS))
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "bert", "t5"])
 def test_parity(name, mesh_shape, cost, sim_mesh):
-    if name != "mlp":
+    if name not in ("mlp", "cnn"):
         pytest.importorskip("transformers")
     mesh = sim_mesh(mesh_shape)
     ref = build(name)

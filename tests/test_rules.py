@@ -43,6 +43,11 @@ SAMPLES = {
     "bmm": (lambda a, b: torch.bmm(a, b), [(4, 8, 16), (4, 16, 12)]),
     "matmul_4d": (lambda a, b: torch.matmul(a, b), [(2, 4, 8, 16), (2, 4, 16, 8)]),
     # NN ops
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(4, 8, 6, 6), (12, 8, 3, 3), (12,)]),
+    "conv2d_depthwise": (lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=8), [(4, 8, 6, 6), (8, 1, 3, 3), (8,)]),
+    "conv2d_grouped": (lambda x, w: F.conv2d(x, w, groups=2), [(4, 8, 6, 6), (12, 4, 1, 1)]),
+    "conv1d": (lambda x, w: F.conv1d(x, w, stride=2), [(4, 8, 10), (12, 8, 3)]),
+    "pools": (lambda x: F.max_pool2d(x, 2) + F.avg_pool2d(x, 2) + F.adaptive_avg_pool2d(x, 3), [(4, 8, 6, 6)]),
     "embedding": (lambda w, i: F.embedding(i, w), [(32, 16), _int(32, 4, 8)]),
     "layer_norm": (lambda x, w, b: F.layer_norm(x, (16,), w, b), [(4, 8, 16), (16,), (16,)]),
     "rms_norm": (lambda x, w: F.rms_norm(x, (16,), w), [(4, 8, 16), (16,)]),

@@ -9,6 +9,7 @@ becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
 arguments of views and expands are rewritten to local shapes, the capture device to the
 run device, squeezes to reshapes (a split dim may be 1 locally without being squeezable),
+the ``groups`` of a channel-split depthwise convolution to the local count,
 and a batch-split ``cross_entropy_loss`` with mean reduction becomes a local sum
 divided by the global count of kept targets.
 """
@@ -23,7 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..runtime_kernels import grad_bucket, param_local, returned
-from ..placement import P, R, Spec, local_shape, partial_axes
+from ..placement import P, R, Spec, local_shape, num_shards, partial_axes
 from ..plan import Plan
 from ..solver.layout import Move
 from ..solver.planner import output_leaves
@@ -32,6 +33,8 @@ from ..strategies import tensor_inputs
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+_CONV_GROUPS_ARG = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
+                    aten.convolution.default: 8}
 _SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 _SHAPE_ARG_OPS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
                   aten.expand.default: 1}
@@ -184,6 +187,11 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
                 args[i] = [-1 if (node.target == aten.expand.default and s == -1) else l
                            for s, l in zip(old, loc)]
                 args = tuple(args)
+            if node.target in _CONV_GROUPS_ARG and len(args) > _CONV_GROUPS_ARG[node.target]:
+                i = _CONV_GROUPS_ARG[node.target]
+                pieces = num_shards(np_.input_specs[0], 1, ms)  # depthwise: channels split with their groups
+                if args[i] > 1 and pieces > 1:
+                    args = args[:i] + (args[i] // pieces,) + args[i + 1:]
             if node.target in _SQUEEZES:
                 target = aten.reshape.default
                 args = (args[0], list(local_shape(np_.out_shapes[0], np_.output_specs[0], ms)))

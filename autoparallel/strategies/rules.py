@@ -376,6 +376,41 @@ def sdpa_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes))
 
 
+@rule(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+def conv_rule(node, in_shapes, out_shapes):
+    """Batch split; for ``groups == 1`` also output channels (column-parallel) and input
+    channels (a contraction: partial sums, the bias added once); for depthwise
+    (``groups == channels``) the channels. Spatial dims stay whole (no halo exchange)."""
+    x, w = in_shapes[0], in_shapes[1]
+    nsp = len(x) - 2
+    if node.target == aten.convolution.default:
+        groups, transposed = _arg(node, 8, "groups", 1), _arg(node, 6, "transposed", False)
+    else:
+        groups, transposed = _arg(node, 6, "groups", 1), False
+    sp = (None,) * nsp
+    if transposed or (groups != 1 and not (groups == x[1] == w[0])):
+        lx, lw, lb, lo, red = ("n", None) + sp, (None,) * len(w), (None,), ("n", None) + sp, frozenset()
+    elif groups == 1:
+        lx, lw, lb, lo, red = ("n", "c") + sp, ("o", "c") + sp, ("o",), ("n", "o") + sp, frozenset({"c"})
+    else:  # depthwise
+        lx, lw, lb, lo, red = ("n", "c") + sp, ("c", None) + sp, ("c",), ("n", "c") + sp, frozenset()
+    ins = [lx, lw] + ([lb] if len(in_shapes) > 2 else [])
+    return DimMap(ins, [lo], list(in_shapes), list(out_shapes), reduce=red)
+
+
+@rule(aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, aten.avg_pool1d.default,
+      aten.avg_pool2d.default, aten.avg_pool3d.default, aten.adaptive_avg_pool1d.default,
+      aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default, aten.adaptive_max_pool1d.default,
+      aten.adaptive_max_pool2d.default, aten.max_pool2d_with_indices.default, aten._adaptive_avg_pool2d.default)
+def pool_rule(node, in_shapes, out_shapes):
+    """Pooling: batch and channels split, the pooled (trailing) dims stay whole."""
+    name = node.target._opname if hasattr(node.target, "_opname") else str(node.target)
+    nsp = 3 if "3d" in name else 2 if "2d" in name else 1
+    nd = len(in_shapes[0])
+    labs = tuple(f"d{i}" for i in range(nd - nsp)) + (None,) * nsp
+    return DimMap([labs], [labs] * len(out_shapes), list(in_shapes), list(out_shapes))
+
+
 @rule(aten.gather.default)
 def gather_rule(node, in_shapes, out_shapes):
     x, idx = in_shapes
