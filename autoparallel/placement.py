@@ -13,6 +13,7 @@ dim that is not split, ``S<axes>`` for a dim split over those mesh axes, then
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -47,6 +48,11 @@ def num_shards(spec: Spec, dim: int, mesh_shape: Sequence[int]) -> int:
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """Per-device shape of a tensor of global ``shape`` under ``spec`` (dims divide evenly)."""
+    return _local_shape(tuple(shape), tuple(spec), tuple(mesh_shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(s // num_shards(spec, d, mesh_shape) for d, s in enumerate(shape))
 
 

@@ -9,6 +9,7 @@ describe. Ops in :data:`NO_DATA_INPUT` read only dtype/device from their tensor 
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -33,15 +34,23 @@ def rule(*ops):
     return deco
 
 
+_TENSOR_INPUTS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
+
+
 def tensor_inputs(node: fx.Node) -> list[tuple[int, fx.Node]]:
-    """``(leaf index, node)`` of every data tensor input, in pytree-leaf order of (args, kwargs)."""
-    if node.target in NO_DATA_INPUT:
-        return []
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    """``(leaf index, node)`` of every data tensor input, in pytree-leaf order of (args, kwargs).
+
+    Memoized per node for as long as its ``args``/``kwargs`` objects stay the same
+    (planning asks for every node's inputs many times)."""
+    memo = _TENSOR_INPUTS.get(node)
+    if memo is not None and memo[0] is node.args and memo[1] is node.kwargs:
+        return memo[2]
     out = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-            out.append((i, leaf))
+    if node.target not in NO_DATA_INPUT:
+        for i, leaf in enumerate(pytree.tree_leaves((node.args, node.kwargs))):
+            if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                out.append((i, leaf))
+    _TENSOR_INPUTS[node] = (node.args, node.kwargs, out)
     return out
 
 

@@ -68,6 +68,8 @@ def module_path(node: fx.Node) -> str:
 
 
 def _tensor_vals(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
     return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
 
 

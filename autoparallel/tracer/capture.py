@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from ..errors import CaptureError
 from ..fqn import set_attr
@@ -83,15 +84,21 @@ def _example_inputs(meta_inputs, device: torch.device):
 
 
 @contextlib.contextmanager
-def _no_stack_traces():
-    """Capture without per-node Python stack traces: a third of export's time on GPT-2 XL,
-    and unused (nodes keep ``nn_module_stack``; capture errors carry their own traceback)."""
+def _fast_capture():
+    """Capture without per-node Python stack traces and with lazily generated graph code.
+
+    Stack traces were a third of export's time on GPT-2 XL and are unused (nodes keep
+    ``nn_module_stack``; capture errors carry their own traceback). Export regenerates the
+    Python code of the whole graph after each of its passes (a quarter of the rest); lazy
+    graph modules generate it only when the module is called or its code is read.
+    """
     import torch.fx.config as fx_config
 
     old = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = True
     try:
-        yield
+        with _use_lazy_graph_module(True):
+            yield
     finally:
         fx_config.do_not_emit_stack_traces = old
 
@@ -138,7 +145,7 @@ class ColoTracer:
                    + list(model.named_buffers(remove_duplicate=False))}
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
         try:
-            with _no_stack_traces():
+            with _fast_capture():
                 ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "cannot capture"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -207,8 +214,7 @@ class ColoTracer:
         used = {n.target for n in graph.nodes if n.op == "get_attr"}
         params = {k: v for k, v in params.items() if k in used}
         buffers = {k: v for k, v in buffers.items() if k in used}
-        gm = fx.GraphModule(root, graph)
-        gm.recompile()
+        gm = _LazyGraphModule(root, graph)
         annotate_graph(gm)
         return TracedModel(gm=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
                            params=params, buffers=buffers, constants=constants, input_meta=input_meta,
