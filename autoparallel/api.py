@@ -17,6 +17,7 @@ from .passes import apply_plan
 from .placement import R
 from .plan import Plan
 from .solver import CostModel
+from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, parse_bytes
 from .solver.planner import Planner
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
@@ -26,9 +27,11 @@ log = logging.getLogger("autoparallel")
 
 
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
-                 share_blocks, cache_dir):
+                 share_blocks, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu"):
     cost_model = cost_model or CostModel()
-    options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks}
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks,
+               "memory_budget": budget, "optimizer": optimizer, "device": device}
     folder = cache.cache_path(cache_dir)
     key = cache.plan_key(traced, mesh, cost_model, options) if folder is not None else ""
     hit = cache.load(folder, key)
@@ -50,8 +53,11 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              sum(len(v) for v in strategies.values()), t1 - t0)
     names = dict(traced.params)
     names.update(traced.buffers)
-    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks)
-    plan = planner.solve(solver=solver, time_limit=time_limit)
+    memory = MemoryModel(traced.gm, gen.aliases, mesh.shape, optimizer=optimizer, device=device,
+                         traced_on=traced.device)
+    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks,
+                      memory=memory)
+    plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
              st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
@@ -66,7 +72,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
 def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | None = None,
          cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
          time_limit: float = 60.0, parallelism: str = "auto", share_blocks: bool = True,
-         cache_dir=None) -> Plan:
+         cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
+         device: str = "cpu") -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -84,12 +91,23 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
         share_blocks: one set of ILP variables for identical repeated blocks (layers).
         cache_dir: plan cache folder; ``None`` for the default (``AUTOPARALLEL_CACHE_DIR``
             or ``~/.cache/autoparallel``), ``False`` for no cache (see :mod:`autoparallel.cache`).
+        memory_budget: peak bytes per device the training step may use (an int, or a
+            string such as ``"12GiB"``); ``None`` for no limit. The peak is modelled by
+            :mod:`autoparallel.solver.memory` (parameters, gradients, optimizer states,
+            saved activations and temporaries with their liveness).
+        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``:
+            how many state tensors per parameter the memory model counts.
+        device: device type the module will run on; selects the kernels whose saved
+            tensors the memory model measures (e.g. SDPA's).
 
     Returns:
-        the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds.
+        the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
+        ``plan.estimate["memory"]`` the modelled peak and its breakdown.
 
     Raises:
-        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`.
+        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`
+            (a budget no plan fits raises InfeasiblePlanError with the smallest reachable peak).
+        ValueError: an unreadable ``memory_budget`` or unknown ``optimizer``.
     """
     if mesh is None:
         if mesh_shape is None:
@@ -100,7 +118,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     t_trace = time.perf_counter() - t0
     log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes), t_trace)
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir)
+                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                     memory_budget=memory_budget, optimizer=optimizer, device=device)
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -122,7 +141,8 @@ def _is_simulated() -> bool:
 def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: CostModel | None = None,
                     strict: bool = False, solver: str = "cbc", time_limit: float = 60.0,
                     parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
-                    cache_dir=None) -> ParallelModule:
+                    cache_dir=None, memory_budget: int | str | None = None,
+                    optimizer: str = DEFAULT_OPTIMIZER) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -136,7 +156,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         solver / time_limit: the ILP solver and its limit in seconds.
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
-        share_blocks / cache_dir: see :func:`plan`.
+        share_blocks / cache_dir / memory_budget / optimizer: see :func:`plan`.
 
     Returns:
         a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
@@ -171,7 +191,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         if world == 1 or _is_simulated() or dist.get_rank() == 0:
             p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                              time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks,
-                             cache_dir=cache_dir)
+                             cache_dir=cache_dir, memory_budget=memory_budget, optimizer=optimizer,
+                             device=device_mesh.device_type)
             payload = [p.to_json()]
         else:
             payload = [None]

@@ -44,11 +44,20 @@ class ILPEdge:
 
 @dataclass
 class ILPProblem:
-    """Node cost vectors (seconds per strategy), edges, and names for error messages."""
+    """Node cost vectors (seconds per strategy), edges, and names for error messages.
+
+    ``memory_rows`` are linear memory constraints: each row gives, per node and strategy,
+    the bytes that choice holds at one step of the training step; a row's sum must stay
+    under ``memory_limit`` bytes. With ``minimize_memory`` the objective becomes the
+    largest row (the smallest reachable peak) instead of the step time.
+    """
 
     node_costs: list[list[float]]
     edges: list[ILPEdge]
     names: list[str] = field(default_factory=list)
+    memory_rows: list[list[list[float]]] = field(default_factory=list)
+    memory_limit: float | None = None
+    minimize_memory: bool = False
 
 
 @dataclass
@@ -60,6 +69,7 @@ class ILPSolution:
 
 SOLVERS = ("cbc", "highs")
 _SCALE = 1e6  # the solver sees microseconds: second-scale costs sit near its 1e-7 tolerances
+_MIB = 2.0 ** 20  # and memory rows in MiB
 
 
 def _make_solver(name: str, time_limit: float):
@@ -162,6 +172,25 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
             prob += marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
         for i in range(ni):
             prob += marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
+    if problem.minimize_memory:
+        peak = pulp.LpVariable("peak_mib", lowBound=0)
+        objective = [(peak, 1.0)]
+    for r, row in enumerate(problem.memory_rows):
+        terms, const = [], 0.0
+        for v, sizes in enumerate(row):
+            for s_, b in enumerate(sizes):
+                if not b or s_ not in x[v]:
+                    continue
+                if isinstance(x[v][s_], int):
+                    const += b / _MIB
+                else:
+                    terms.append((x[v][s_], b / _MIB))
+        if problem.minimize_memory:
+            terms.append((peak, -1.0))
+            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}", -const)
+        elif problem.memory_limit is not None:
+            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}",
+                                      problem.memory_limit / _MIB - const)
     prob.setObjective(pulp.LpAffineExpression(objective))
     t_build = time.perf_counter() - t0
     # The LP relaxation is often integral (every x one-hot): then it is the ILP optimum.
@@ -200,7 +229,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     for e in pair_edges:
         obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
     gap = 0.0 if optimal or lp_bound is None or obj <= 0 else max(0.0, (obj - lp_bound) / obj)
-    if not optimal:
+    if not optimal and not problem.minimize_memory:
         log.warning("the sharding ILP stopped at its time limit (%.0f s): using the best plan found, within "
                     "%.2f%% of the LP lower bound; pass a larger time_limit for the optimum", time_limit, 100 * gap)
     stats = {"solver": used, "status": "Optimal" if optimal else "Time limit (best found)",

@@ -12,12 +12,14 @@ import torch.utils._pytree as pytree
 
 from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape, partial_axes
+from ..errors import InfeasiblePlanError
 from ..plan import Conversion, NodePlan, Plan
 from ..strategies import Strategy, tensor_inputs
 from ..tracer.annotate import node_info
 from .blocks import block_key, find_repeated_blocks
 from .costs import CostModel
 from .ilp import ILPEdge, ILPProblem, solve
+from .memory import MemoryModel
 from .layout import LayoutConverter
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,12 @@ class Planner:
         param_names: graph target → all names of that parameter/buffer.
         share_blocks: give identical instances of a repeated block one set of ILP
             variables (:mod:`autoparallel.solver.blocks`).
+        memory: the step's :class:`~autoparallel.solver.memory.MemoryModel` (peak memory
+            estimate and budget rows); ``None`` to leave memory out.
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
-                 share_blocks: bool = True):
+                 share_blocks: bool = True, memory: MemoryModel | None = None):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -63,6 +67,7 @@ class Planner:
         self._block = {n: block_key(n) for n in self.nodes}
         self._pinned = _aliased_edges(self.nodes)
         self.template = find_repeated_blocks(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
+        self.memory = memory
 
     # ------------------------------------------------------------ pricing
     def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
@@ -225,16 +230,74 @@ class Planner:
                 "shared_nodes": shared}
         return ILPProblem(gcost, edges, names), root, fmap, tmpl, gidx, meta, info
 
-    def solve(self, *, solver: str = "cbc", time_limit: float = 60.0) -> Plan:
+    def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
+              max_rounds: int = 10) -> Plan:
+        """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
+
+        The budget enters the ILP as one row per step of the training step, added lazily:
+        solve, find the step where the plan's memory peaks, add that step's row if it is
+        over budget, solve again (at most ``max_rounds`` times).
+
+        Raises:
+            InfeasiblePlanError: when no plan fits the budget; the message gives the
+                smallest peak the planner can reach.
+        """
         t0 = time.perf_counter()
         problem, root, fmap, tmpl, gidx, meta, info = self.build_problem()
         t_costs = time.perf_counter() - t0
-        sol = solve(problem, solver=solver, time_limit=time_limit)
-        choice = {n: self.strategies[n][fmap[n][sol.choice[gidx[tmpl[root[n]]]]]] for n in self.nodes}
+
+        def decode(sol):
+            return {n: self.strategies[n][fmap[n][sol.choice[gidx[tmpl[root[n]]]]]] for n in self.nodes}
+
+        rows_at: list[int] = []
+        for rounds in range(1, max_rounds + 1):
+            try:
+                sol = solve(problem, solver=solver, time_limit=time_limit)
+            except InfeasiblePlanError:
+                if not problem.memory_rows:
+                    raise
+                raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
+            choice = decode(sol)
+            if memory_budget is None or self.memory is None:
+                break
+            est = self.memory.estimate(choice)
+            if est.peak_bytes <= memory_budget:
+                break
+            if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
+                raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
+            rows_at.append(est.peak_step)
+            problem.memory_rows.append(self._memory_row(est.peak_step, root, fmap, tmpl, gidx, len(problem.node_costs)))
+            problem.memory_limit = memory_budget
+        else:
+            raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
         plan = self.make_plan(choice, meta)
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
-                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs, **info)
+                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
+                                 memory_rows=len(problem.memory_rows), memory_rounds=rounds, **info)
         return plan
+
+    def _memory_row(self, t, root, fmap, tmpl, gidx, n_groups) -> list[list[float]]:
+        """Bytes held at step ``t``, per ILP group and group strategy."""
+        row: list[list[float]] = [[] for _ in range(n_groups)]
+        for owner, size in self.memory.row(t):
+            g = gidx[tmpl[root[owner]]]
+            if not row[g]:
+                row[g] = [0.0] * len(fmap[owner])
+            for k, si in enumerate(fmap[owner]):
+                row[g][k] += size(self.strategies[owner][si])
+        return row
+
+    def _budget_message(self, problem, decode, budget, solver, time_limit) -> str:
+        """Why ``budget`` cannot be met, with the smallest reachable peak (a min-peak solve)."""
+        problem.minimize_memory = True
+        try:
+            sol = solve(problem, solver=solver, time_limit=min(time_limit, 10.0))
+            best = self.memory.estimate(decode(sol)).peak_bytes
+        finally:
+            problem.minimize_memory = False
+        return (f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device: the smallest peak the planner "
+                f"reaches on this mesh is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, use "
+                "more devices or a smaller batch")
 
     def make_plan(self, choice: dict[fx.Node, Strategy], meta=None) -> Plan:
         """Build the Plan of a given strategy choice (``meta``: the edges, default all)."""
@@ -277,18 +340,18 @@ class Planner:
             if node.op == "get_attr" and node.target in self.param_names:
                 for name in self.param_names[node.target]:
                     params[name] = choice[node].outputs[0]
+        memory = self.memory.estimate(choice).as_dict() if self.memory is not None else None
         compute = sum(n.compute_s for n in nodes.values())
         comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in conversions if c.dst == "output")
-        weights = sum(n.memory_bytes for n in nodes.values() if n.op == "get_attr")
-        acts = sum(n.memory_bytes for n in nodes.values()
-                   if n.op not in ("get_attr", "getitem", "placeholder"))
         # one bucketed gradient all-reduce per mesh axis that replicates some parameter: its latency
         for a in range(self.mesh.ndim):
             if any(n.op == "get_attr" and n.output_specs[0][a] == R and self.mesh.shape[a] > 1
                    for n in nodes.values() if n.name in self._grad_params):
                 comm += self.cm.collective_time("all_reduce", a, 0)
-        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
-                    "peak_memory_bytes": weights + acts, "weights_bytes": weights, "activation_bytes": acts}
+        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm}
+        if memory:
+            estimate["peak_memory_bytes"] = memory["peak_bytes"]
+            estimate["memory"] = memory
         return Plan(self.mesh, nodes, conversions, params, estimate)
 
 

@@ -1,0 +1,95 @@
+"""The peak-memory model against measurement, and the memory budget in the sharding ILP."""
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import autoparallel
+from autoparallel.errors import InfeasiblePlanError
+from autoparallel.solver.memory import OPTIMIZER_STATES, MemoryModel, parse_bytes
+from autoparallel.strategies import StrategyGenerator
+from autoparallel.tracer import ColoTracer
+from models import CNN, MLP, batch_for, hf_model, to_meta
+
+
+def _measured_peak(model, batch) -> int:
+    """Peak bytes of a steady-state AdamW training step (states exist, grads set to None)."""
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        out = model(**batch)
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+
+    step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *batch.values())
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _estimated_peak(model, batch, mesh_shape=(1,), optimizer="adamw"):
+    traced = ColoTracer().trace(model, to_meta(batch))
+    gen = StrategyGenerator(mesh_shape)
+    strategies = gen.generate(traced.gm)
+    mm = MemoryModel(traced.gm, gen.aliases, mesh_shape, optimizer=optimizer, traced_on=traced.device)
+    return mm.estimate({n: s[-1] for n, s in strategies.items()})  # replicated: one device's step
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "mlp", "cnn"])
+def test_estimate_within_20_percent_of_measured(name):
+    torch.manual_seed(0)
+    model = {"mlp": MLP, "cnn": CNN}[name]() if name in ("mlp", "cnn") else hf_model(name)
+    batch = batch_for(name, 0, batch=16, seq=32)
+    est = _estimated_peak(model, batch)
+    real = _measured_peak(model, batch)
+    assert abs(est.peak_bytes - real) <= 0.2 * real, (est.as_dict(), real)
+    assert sum(est.breakdown.values()) == est.peak_bytes
+
+
+def test_optimizer_states_counted():
+    model = hf_model("gpt2")
+    batch = batch_for("gpt2", 0)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam = _estimated_peak(model, batch, optimizer="adamw").breakdown["optimizer"]
+    sgd = _estimated_peak(model, batch, optimizer="sgd").breakdown["optimizer"]
+    assert (adam, sgd) == (OPTIMIZER_STATES["adamw"] * params, 0)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        _estimated_peak(model, batch, optimizer="lion")
+
+
+def test_parse_bytes():
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("12 parsecs", "GiB", -1):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def _gpt2_planning():
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=2)
+    return model, to_meta(batch_for("gpt2", 0, batch=16, seq=32))
+
+
+def test_budget_bounds_the_modelled_peak():
+    model, inputs = _gpt2_planning()
+    free = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False)
+    peak = free.estimate["memory"]["peak_bytes"]
+    budget = int(0.85 * peak)
+    tight = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=budget)
+    assert tight.estimate["memory"]["peak_bytes"] <= budget < peak
+    assert tight.estimate["step_time_s"] >= free.estimate["step_time_s"]
+    assert tight.solver_stats["memory_rows"] >= 1
+
+
+def test_infeasible_budget_states_the_smallest_reachable():
+    model, inputs = _gpt2_planning()
+    with pytest.raises(InfeasiblePlanError, match=r"smallest peak .* \((\d+) bytes\)") as err:
+        autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget="1MiB", time_limit=20)
+    reachable = int(str(err.value).split("(")[-1].split(" bytes")[0])
+    ok = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=reachable)
+    assert ok.estimate["memory"]["peak_bytes"] <= reachable
