@@ -53,8 +53,10 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              sum(len(v) for v in strategies.values()), t1 - t0)
     names = dict(traced.params)
     names.update(traced.buffers)
+    t2 = time.perf_counter()
     memory = MemoryModel(traced.gm, gen.aliases, mesh.shape, optimizer=optimizer, device=device,
                          traced_on=traced.device)
+    t_memory = time.perf_counter() - t2
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks,
                       memory=memory)
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
@@ -63,6 +65,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
              plan.estimate["step_time_s"])
     plan.solver_stats["strategies_s"] = t1 - t0
+    plan.solver_stats["memory_s"] = t_memory
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
     cache.store(folder, key, plan)

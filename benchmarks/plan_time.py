@@ -72,7 +72,8 @@ def main():
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
             print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, mesh))}{tag}")
-            print(f"  trace {st['trace_s']:.2f} s | strategies {st['strategies_s']:.2f} s | costs {st['costs_s']:.2f} s"
+            print(f"  trace {st['trace_s']:.2f} s | strategies {st['strategies_s']:.2f} s"
+                  f" | memory model {st['memory_s']:.2f} s | costs {st['costs_s']:.2f} s"
                   f" | ILP build {st['build_s']:.2f} s | ILP solve {st['solve_s']:.2f} s | total {total:.2f} s"
                   f" (target < {target:.0f} s: {'OK' if total < target else 'MISSED'})")
             print(f"  ILP: {st['nodes']} nodes -> {st['groups']} groups (followers merged) -> {st['ilp_groups']} "

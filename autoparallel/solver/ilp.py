@@ -210,7 +210,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     n_bin = len(xvars)
     t_solve = time.perf_counter() - t0 - t_build
     status_name = pulp.LpStatus[status]
-    if pulp.value(prob.objective) is None or any(xv.varValue is None for xv in xvars):
+    if status_name in ("Infeasible", "Unbounded") or any(xv.varValue is None for xv in xvars):
         if t_solve >= time_limit:
             raise InfeasiblePlanError(f"the sharding ILP found no plan within time_limit={time_limit} s; "
                                       "pass a larger time_limit")
