@@ -26,7 +26,7 @@ import torch
 from .plan import Plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 
 
 def cache_path(cache_dir) -> Path | None:

@@ -18,7 +18,7 @@ from autoparallel.mesh import MeshSpec
 from autoparallel.placement import R
 from autoparallel.solver import CostModel
 from autoparallel.solver.planner import Planner
-from autoparallel.strategies import StrategyGenerator
+from autoparallel.strategies import StrategyGenerator, tensor_inputs
 from autoparallel.strategies.rules import REPLICATE_ONLY, RULES
 from autoparallel.tracer import ColoTracer
 
@@ -123,8 +123,28 @@ def _ranks(t):
     return list(t._local_tensors.values()) if isinstance(t, LocalTensor) else [t]
 
 
-def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets):
-    fn, specs = SAMPLES[name]
+def _match_in_place(choice, node, strategies, planner) -> bool:
+    """Edges an in-place op writes through admit no conversion (the planner pins them):
+    give the other end of each such edge at ``node`` a strategy that matches ``node``'s."""
+    for c, j in planner._pinned:
+        x = tensor_inputs(c)[j][1]
+        if c is node and x in strategies:
+            match = next((t for t in strategies[x] if t.outputs[0] == choice[c].inputs[j]), None)
+            other = x
+        elif x is node:
+            match = next((t for t in strategies[c] if t.inputs[j] == choice[x].outputs[0]), None)
+            other = c
+        else:
+            continue
+        if match is None:
+            return False
+        choice[other] = match
+    return True
+
+
+def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets, samples=SAMPLES):
+    """Force every strategy of every op node of ``samples[name]`` in turn; returns the generator."""
+    fn, specs = samples[name]
     mesh = sim_mesh(mesh_shape)
     model = OpModule(fn, specs, seed=0)
     ref_out = _leaves(model())
@@ -152,6 +172,8 @@ def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets):
         for s in ss:
             choice = dict(base)
             choice[node] = s
+            if not _match_in_place(choice, node, strategies, planner):
+                continue  # no plan can use it: an in-place op would write into a converted copy
             plan = planner.make_plan(choice)
             with LocalTensorMode(frozenset(range(mesh.size()))):
                 pmodel = emit(model, traced, plan, mesh)
@@ -171,6 +193,7 @@ def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets):
                                                        msg=lambda m: f"{what}, grad of {pname}: {m}")
             checked += 1
     assert checked > 0
+    return gen
 
 
 _SEEN: set = set()

@@ -31,6 +31,7 @@ as the converted tensors they produce.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,6 +46,8 @@ from ..placement import Spec, local_shape
 from ..strategies import tensor_inputs
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
+
+log = logging.getLogger(__name__)
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """State tensors kept per trainable parameter by each optimizer (``torch.optim`` defaults)."""
@@ -160,7 +163,8 @@ def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list
         fakes = {}
         for (li, x), g in zip(ins, grads):
             v = x.meta["val"]
-            fakes[li] = torch.empty(tuple(v.shape), dtype=v.dtype, device=device).requires_grad_(g)
+            t = torch.empty(tuple(v.shape), dtype=v.dtype, device=device)
+            fakes[li] = t.requires_grad_().clone() if g else t  # not a leaf: in-place ops may write it
     new = []
     for i, leaf in enumerate(leaves):
         if i in fakes:
@@ -176,8 +180,14 @@ def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list
         saved.append(t)
         return t
 
-    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = node.target(*args, **kwargs)
+    try:
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = node.target(*args, **kwargs)
+    except Exception as e:  # an op that cannot run alone on FakeTensors: assume it saves its inputs
+        log.debug("memory model: %s does not run on FakeTensors (%s); counting its inputs as saved",
+                  node.target, e)
+        memo[key] = [("input", j, 0) for j, g in enumerate(grads) if g]
+        return memo[key]
     in_st = [fakes[li].untyped_storage()._cdata for li, _ in ins]
     out_st = [t.untyped_storage()._cdata for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     result = []
