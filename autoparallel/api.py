@@ -14,6 +14,8 @@ from .codegen import ParallelModule
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec
 from .passes import apply_plan
+from .passes.checkpoint import apply_checkpointing
+from .solver.remat import region_from_json
 from .placement import R
 from .plan import Plan
 from .solver import CostModel
@@ -212,6 +214,12 @@ def emit(model: nn.Module, traced, plan: Plan, device_mesh) -> ParallelModule:
     targets = set(traced.params) | set(traced.buffers)
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device)
-    return ParallelModule(model, graph, plan, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
-                          input_meta=traced.input_meta, param_names=traced.params,
-                          buffer_names=traced.buffers, constants=traced.constants)
+    pmodel = ParallelModule(model, graph, plan, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
+                            input_meta=traced.input_meta, param_names=traced.params,
+                            buffer_names=traced.buffers, constants=traced.constants)
+    if plan.checkpoint:
+        stages = plan.checkpoint["stages"]
+        gm = pmodel.graph_module
+        stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
+        apply_checkpointing(gm, stage_of, [region_from_json(r) for r in plan.checkpoint["regions"]])
+    return pmodel

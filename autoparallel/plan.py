@@ -94,9 +94,14 @@ class Plan:
         nodes: per node (in graph order) its :class:`NodePlan`.
         conversions: every resharding between nodes.
         param_placements: parameter and buffer name (tied names included) → spec.
-        estimate: ``step_time_s`` (predicted seconds of one forward+backward),
-            ``compute_s``, ``comm_s`` and ``peak_memory_bytes`` (per device).
+        estimate: ``step_time_s`` (predicted seconds of one forward+backward, recomputation
+            included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device) and
+            ``memory`` (the peak's step and breakdown, see :mod:`autoparallel.solver.memory`).
         solver_stats: ILP size, times (s), status.
+        checkpoint: activation checkpointing (empty when none): ``stages`` (node name →
+            chain stage), ``regions`` (nested ``{"start", "stop", "children"}`` stage ranges
+            run under ``torch.utils.checkpoint``), ``table`` (per top-level region: stages,
+            bytes saved, recompute seconds) and ``recompute_s``.
     """
 
     mesh: MeshSpec
@@ -105,6 +110,7 @@ class Plan:
     param_placements: dict[str, Spec]
     estimate: dict = field(default_factory=dict)
     solver_stats: dict = field(default_factory=dict)
+    checkpoint: dict = field(default_factory=dict)
 
     @property
     def collectives(self) -> list[dict]:
@@ -133,7 +139,13 @@ class Plan:
                 f"(compute {est.get('compute_s', 0):.4g} s, communication {est.get('comm_s', 0):.4g} s), "
                 f"peak memory {est.get('peak_memory_bytes', 0) / 2**20:.1f} MiB per device; "
                 f"{len(self.collectives)} forward collectives")
-        return tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
+        out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
+        if self.checkpoint:
+            regions = [[r["stages"], r["nodes"], f"{r['saved_bytes'] / 2**20:.1f}", f"{r['recompute_s']:.3g}"]
+                       for r in self.checkpoint["table"]]
+            out += "\n\nactivation checkpointing (recomputed in backward):\n" + tabulate(
+                regions, ["stages", "nodes", "memory saved MiB", "recompute s"], tablefmt="simple")
+        return out
 
     def __str__(self) -> str:
         return self.table()
@@ -146,6 +158,7 @@ class Plan:
             "param_placements": {k: spec_to_json(v) for k, v in self.param_placements.items()},
             "estimate": self.estimate,
             "solver_stats": self.solver_stats,
+            "checkpoint": self.checkpoint,
         })
 
     @classmethod
@@ -155,7 +168,7 @@ class Plan:
         return cls(MeshSpec.from_json(d["mesh"]), {n.name: n for n in nodes},
                    [Conversion.from_json(c) for c in d["conversions"]],
                    {k: spec_from_json(v) for k, v in d["param_placements"].items()},
-                   d["estimate"], d["solver_stats"])
+                   d["estimate"], d["solver_stats"], d.get("checkpoint", {}))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()

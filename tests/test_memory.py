@@ -1,5 +1,7 @@
 """The peak-memory model against measurement, and the memory budget in the sharding ILP."""
 
+import copy
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -93,3 +95,59 @@ def test_infeasible_budget_states_the_smallest_reachable():
     reachable = int(str(err.value).split("(")[-1].split(" bytes")[0])
     ok = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=reachable)
     assert ok.estimate["memory"]["peak_bytes"] <= reachable
+
+
+def _checkpointed(mesh_shape, sim_mesh, frac=0.7):
+    """GPT-2 with a budget sharding alone cannot meet, autoparallelized on simulated ranks."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    torch.manual_seed(0)
+    ref = hf_model("gpt2", layers=4).train()
+    model = copy.deepcopy(ref)
+    batch = batch_for("gpt2", 0, batch=8, seq=32)
+    cost = autoparallel.CostModel("cpu")
+    free = autoparallel.plan(ref, to_meta(batch), mesh_shape=mesh_shape, cost_model=cost, cache_dir=False)
+    budget = int(frac * free.estimate["peak_memory_bytes"])
+    mesh = sim_mesh(mesh_shape)
+    ranks = frozenset(range(mesh.size()))
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cost_model=cost,
+                                              memory_budget=budget, cache_dir=False)
+    return ref, pmodel, batch, budget, ranks
+
+
+def test_checkpointing_parity_and_measured_peak(sim_mesh):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    ref, pmodel, batch, budget, ranks = _checkpointed((2,), sim_mesh)
+    ck = pmodel.plan.checkpoint
+    assert ck["regions"] and ck["recompute_s"] > 0, "the budget should need recomputation"
+    assert "torch.utils.checkpoint.checkpoint" in pmodel.graph_module.code
+    assert "activation checkpointing" in pmodel.plan.table()
+    ref(**batch).loss.backward()
+    ref_params = dict(ref.named_parameters())
+    with LocalTensorMode(ranks):
+        loss = pmodel(**batch).loss
+        loss.backward()
+        for r, v in enumerate(loss._local_tensors.values()):
+            torch.testing.assert_close(v, ref(**batch).loss.detach(), rtol=1e-4, atol=1e-5)
+        for name, p in pmodel.named_parameters():
+            for v in p.grad.full_tensor()._local_tensors.values():
+                torch.testing.assert_close(v, ref_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+        for p in pmodel.parameters():
+            p.grad = None
+        measured = _measured_peak(pmodel, batch) / len(ranks)
+    assert measured <= budget, (measured, budget)
+
+
+def test_checkpointed_plan_roundtrips_json():
+    from autoparallel.plan import Plan
+
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=4)
+    inputs = to_meta(batch_for("gpt2", 0, batch=8, seq=32))
+    free = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
+    p = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"),
+                          memory_budget=int(0.7 * free.estimate["peak_memory_bytes"]))
+    assert p.checkpoint and Plan.from_json(p.to_json()) == p
+    assert p.estimate["step_time_s"] > free.estimate["step_time_s"]

@@ -221,7 +221,22 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
             graph.output(tuple(outs))
     graph.eliminate_dead_code()
     graph.lint()
+    _tag_sources(graph, env)
     return graph
+
+
+def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
+    """``meta["source"]``: the traced node each emitted node was emitted for. A traced
+    node's value is the last node emitted for it (its input conversions come first), so
+    walking backwards, every node belongs to the next value in graph order."""
+    origin = {v: k.name for k, v in env.items() if isinstance(v, fx.Node)}
+    current = None
+    for n in reversed(graph.nodes):
+        if n.op == "output":
+            continue
+        current = origin.get(n, current)
+        if current is not None:
+            n.meta["source"] = current
 
 
 def _split_batch_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:

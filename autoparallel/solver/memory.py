@@ -94,6 +94,7 @@ class Item:
     start: int
     end: int
     size: Callable[[Strategy], int]
+    forward_value: bool = False  # a forward output living until its last forward use
 
 
 @dataclass
@@ -249,6 +250,7 @@ class MemoryModel:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        self.nodes = nodes  # forward step i runs nodes[i]
         step = {n: i for i, n in enumerate(nodes)}
         n_steps = 2 * len(nodes)
         self.steps = n_steps
@@ -279,7 +281,7 @@ class MemoryModel:
                     if k:
                         items.append(Item("optimizer", u, 0, back, lambda s, f=size, k=k: k * f(s)))
                 continue
-            items.append(Item("temporaries", u, step[u], end, out_size(u, i)))
+            items.append(Item("temporaries", u, step[u], end, out_size(u, i), forward_value=True))
             if info.requires_grad and info.outputs[i][1].is_floating_point:
                 items.append(Item("temporaries", u, back - end, back - step[u], out_size(u, i)))
         first_saver: dict = {}

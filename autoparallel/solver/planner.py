@@ -20,6 +20,8 @@ from .blocks import block_key, find_repeated_blocks
 from .costs import CostModel
 from .ilp import ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
+from .remat import build_chain, chain_stages, checkpoint_plan
+from .rotor import InfeasibleBudget, solve as rotor_solve
 from .layout import LayoutConverter
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,9 @@ class Planner:
     def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
         return self.aliases.get(x, (x, 0))
 
-    def node_cost(self, node: fx.Node, s: Strategy) -> tuple[float, float, int]:
-        """(compute s, own communication s, memory bytes) of ``node`` under ``s``."""
+    def node_cost(self, node: fx.Node, s: Strategy, backward: bool = True) -> tuple[float, float, int]:
+        """(compute s, own communication s, memory bytes) of ``node`` under ``s``; compute
+        covers forward and backward, or the forward only when ``backward`` is False."""
         info = node_info(node)
         ms = self.mesh.shape
         out_bytes = sum(_local_bytes(sh, dt, sp, ms) for (sh, dt), sp in zip(info.outputs, s.outputs))
@@ -90,7 +93,7 @@ class Planner:
         in_bytes = sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
                        for (_, x), sp in zip(tensor_inputs(node), s.inputs))
         compute = self.cm.compute_time(node.target, info.flops / s.split, in_bytes + out_bytes,
-                                       info.dtype if info.outputs else None, info.requires_grad)
+                                       info.dtype if info.outputs else None, info.requires_grad and backward)
         comm = 0.0
         if node.target == aten.cross_entropy_loss.default:
             for a in partial_axes(s.outputs[0]):  # global count of kept targets
@@ -231,12 +234,15 @@ class Planner:
         return ILPProblem(gcost, edges, names), root, fmap, tmpl, gidx, meta, info
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
-              max_rounds: int = 10) -> Plan:
+              checkpointing: bool = True, max_rounds: int = 10) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
 
-        The budget enters the ILP as one row per step of the training step, added lazily:
-        solve, find the step where the plan's memory peaks, add that step's row if it is
-        over budget, solve again (at most ``max_rounds`` times).
+        Stage 1: the budget enters the sharding ILP as one row per step of the training
+        step, added lazily: solve, find the step where the plan's memory peaks, add that
+        step's row if it is over budget, solve again (at most ``max_rounds`` times). When no
+        sharding alone fits and ``checkpointing`` is on, stage 2 (:mod:`.remat`) picks
+        activations to recompute on the plan of stage 1, re-solving stage 1 with a tighter
+        allowance a bounded number of times until the recomputation schedule fits.
 
         Raises:
             InfeasiblePlanError: when no plan fits the budget; the message gives the
@@ -249,32 +255,82 @@ class Planner:
         def decode(sol):
             return {n: self.strategies[n][fmap[n][sol.choice[gidx[tmpl[root[n]]]]]] for n in self.nodes}
 
-        rows_at: list[int] = []
-        for rounds in range(1, max_rounds + 1):
-            try:
-                sol = solve(problem, solver=solver, time_limit=time_limit)
-            except InfeasiblePlanError:
-                if not problem.memory_rows:
-                    raise
+        def stage1(budget):
+            """(choice, solution, rounds) of the fastest plan within ``budget``, or None."""
+            problem.memory_limit = budget
+            rows_at: list[int] = []
+            for rounds in range(1, max_rounds + 1):
+                try:
+                    sol = solve(problem, solver=solver, time_limit=time_limit)
+                except InfeasiblePlanError:
+                    if not problem.memory_rows:
+                        raise
+                    return None
+                choice = decode(sol)
+                if budget is None or self.memory is None:
+                    return choice, sol, rounds
+                est = self.memory.estimate(choice)
+                if est.peak_bytes <= budget:
+                    return choice, sol, rounds
+                if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
+                    return None
+                rows_at.append(est.peak_step)
+                problem.memory_rows.append(self._memory_row(est.peak_step, root, fmap, tmpl, gidx,
+                                                            len(problem.node_costs)))
+            return None
+
+        found = stage1(memory_budget)
+        checkpoint = None
+        if found is None:
+            stages = chain_stages(self.memory.nodes) if checkpointing else {}
+            if not stages:
                 raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
-            choice = decode(sol)
-            if memory_budget is None or self.memory is None:
-                break
-            est = self.memory.estimate(choice)
-            if est.peak_bytes <= memory_budget:
-                break
-            if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
-                raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
-            rows_at.append(est.peak_step)
-            problem.memory_rows.append(self._memory_row(est.peak_step, root, fmap, tmpl, gidx, len(problem.node_costs)))
-            problem.memory_limit = memory_budget
-        else:
-            raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
+            found, checkpoint = self._two_stage(stage1, meta, stages, memory_budget, problem, decode, solver,
+                                                time_limit)
+        choice, sol, rounds = found
         plan = self.make_plan(choice, meta)
+        if checkpoint is not None:
+            plan.checkpoint, peak = checkpoint
+            plan.estimate["step_time_s"] += plan.checkpoint["recompute_s"]
+            plan.estimate["peak_memory_bytes"] = plan.estimate["memory"]["checkpointed_peak_bytes"] = peak
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
                                  memory_rows=len(problem.memory_rows), memory_rounds=rounds, **info)
         return plan
+
+    def _two_stage(self, stage1, meta, stages, budget, problem, decode, solver, time_limit):
+        """Stage 2: Rotor on stage-1 plans of decreasing allowance (the fastest plan, then
+        budgets at 3/4, 1/2 and 1/4 of the way from its peak down to ``budget``); the first
+        whose recomputation schedule fits wins.
+
+        Returns:
+            ``((choice, solution, rounds), (plan.checkpoint, modelled peak bytes))``.
+        """
+        problem.memory_rows.clear()
+        free = stage1(None)
+        top = self.memory.estimate(free[0]).peak_bytes
+        reachable = []
+        for frac in (1.0, 0.75, 0.5, 0.25):
+            found = free if frac == 1.0 else stage1(int(budget + frac * (top - budget)))
+            if found is None:
+                break
+            choice = found[0]
+            plan = self.make_plan(choice, meta)
+            fwd = {n.name: self.node_cost(n, choice[n], backward=False)[0] for n in stages if n in choice}
+            chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
+            try:
+                schedule = rotor_solve(chain, budget - fixed)
+            except InfeasibleBudget as e:
+                reachable.append(fixed + e.min_budget)
+                continue
+            log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.0f%% of the "
+                     "way to the budget", len(schedule.regions), schedule.recompute_time, 100 * (1 - frac))
+            return found, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
+        best = min(reachable) if reachable else top
+        raise InfeasiblePlanError(
+            f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
+            f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, "
+            "use more devices or a smaller batch")
 
     def _memory_row(self, t, root, fmap, tmpl, gidx, n_groups) -> list[list[float]]:
         """Bytes held at step ``t``, per ILP group and group strategy."""

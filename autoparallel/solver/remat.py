@@ -1,0 +1,137 @@
+"""Stage 2 of the memory search: which activations to recompute, on the sharded graph.
+
+The plan chosen by the sharding ILP (stage 1) is linearized into a chain of stages: the
+nodes before the first layer of the model's longest ``ModuleList``, each layer, and the
+nodes after the last one. Each stage gets, under the plan's shardings and with its
+collectives: forward and backward seconds (cost model), the bytes of its input (values
+crossing into it from earlier stages), the bytes it saves for backward (memory model),
+and its transient bytes. Rotor's dynamic program (Beaumont et al., "Optimal checkpointing
+for heterogeneous chains: how to train deep neural networks with limited memory", arXiv
+1911.13214, §4; :mod:`autoparallel.solver.rotor`) then picks the fastest schedule whose
+activations fit what the budget leaves after parameters, gradients, optimizer states and
+inputs. Its regions become nested non-reentrant ``torch.utils.checkpoint`` calls in the
+emitted module (:mod:`autoparallel.passes.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch.fx as fx
+
+from ..plan import Plan
+from ..strategies import Strategy
+from .blocks import block_key
+from .memory import MemoryModel
+from .rotor import Chain, Region, Schedule
+
+
+def chain_stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Stage of every op node: 0 before the first layer of the longest ``ModuleList``,
+    ``k + 1`` for its k-th layer (and ops between layers k and k+1), ``L + 1`` after the
+    last layer. Empty when the model has no repeated layers or they do not run in order."""
+    keys = {n: block_key(n) for n in nodes if n.op == "call_function"}
+    containers: dict[str, set[int]] = {}
+    for k in keys.values():
+        if k is not None:
+            containers.setdefault(k[0], set()).add(k[1])
+    if not containers:
+        return {}
+    name, indices = max(containers.items(), key=lambda kv: len(kv[1]))
+    if len(indices) < 2:
+        return {}
+    rank = {idx: r + 1 for r, idx in enumerate(sorted(indices))}
+    ops = [n for n in nodes if n.op == "call_function"]
+    last = max(i for i, n in enumerate(ops) if keys[n] is not None and keys[n][0] == name)
+    stages, current = {}, 0
+    for i, n in enumerate(ops):
+        k = keys[n]
+        if k is not None and k[0] == name:
+            if rank[k[1]] < current:
+                return {}  # layers interleave: no chain
+            current = rank[k[1]]
+        stages[n] = current if i <= last else len(indices) + 1
+    return stages
+
+
+def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan, forward_s: dict[str, float],
+                stages: dict[fx.Node, int]) -> tuple[Chain, int]:
+    """The chain of ``stages`` under ``choice`` and the bytes outside it.
+
+    Args:
+        memory: the step's memory model.
+        choice: node → chosen strategy.
+        plan: the plan of ``choice`` (per-node seconds).
+        forward_s: node name → forward compute seconds.
+        stages: node → stage (:func:`chain_stages`).
+
+    Returns:
+        ``(chain, fixed)``: per stage forward/backward seconds and input, saved and
+        transient bytes; ``fixed``: bytes live throughout (parameters, all gradients,
+        optimizer states, inputs, values of nodes outside the chain).
+    """
+    n_st = max(stages.values()) + 1
+    step_stage = np.array([stages.get(n, -1) for n in memory.nodes])
+    fwd, bwd = np.zeros(n_st), np.zeros(n_st)
+    for n, st in stages.items():
+        np_ = plan.nodes.get(n.name)
+        if np_ is None:
+            continue
+        f = forward_s.get(n.name, 0.0) + np_.comm_s / 2
+        fwd[st] += f
+        bwd[st] += np_.compute_s + np_.comm_s - f
+    x = np.zeros(n_st + 1)
+    saved = np.zeros(n_st)
+    fixed = 0
+    n_fwd = len(memory.nodes)
+    transient: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * n_st)]  # fwd / bwd of each stage
+    for it in memory.items:
+        b = it.size(choice[it.owner])
+        if it.kind == "activations":
+            st = step_stage[it.start]
+            if st < 0:
+                fixed += b
+            else:
+                saved[st] += b
+        elif it.kind != "temporaries" or it.owner not in stages:
+            fixed += b
+        elif it.forward_value:
+            s0, s1 = stages[it.owner], step_stage[min(it.end, n_fwd - 1)]
+            if s1 > s0:
+                x[s0 + 1:s1 + 1] += b  # crosses into every stage up to its last user
+            else:
+                transient[2 * s0].append((it.start, it.end, b))
+        else:
+            transient[2 * stages[it.owner] + 1].append((it.start, it.end, b))
+    peaks = np.zeros(2 * n_st)
+    for k, items in enumerate(transient):  # the most live at once, not the sum
+        if items:
+            events = np.zeros(2 * n_fwd + 2)
+            for a, e, b in items:
+                events[a] += b
+                events[e + 1] -= b
+            peaks[k] = np.cumsum(events).max()
+    chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
+                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2])
+    return chain, int(fixed)
+
+
+def region_json(r: Region) -> dict:
+    return {"start": r.start, "stop": r.stop, "children": [region_json(c) for c in r.children]}
+
+
+def region_from_json(d: dict) -> Region:
+    return Region(d["start"], d["stop"], tuple(region_from_json(c) for c in d["children"]))
+
+
+def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]) -> dict:
+    """``Plan.checkpoint`` for ``schedule``: node stages, region tree, per-region table."""
+    count = np.bincount(list(stages.values()), minlength=len(chain.fwd_time))
+    table = []
+    for r in schedule.regions:
+        span = slice(r.start, r.stop)
+        table.append({"stages": f"{r.start}-{r.stop - 1}", "nodes": int(count[span].sum()),
+                      "saved_bytes": int(chain.xbar[span].sum() - chain.x[r.start]),
+                      "recompute_s": float(chain.fwd_time[span].sum())})
+    return {"stages": {n.name: int(s) for n, s in stages.items()},
+            "regions": [region_json(r) for r in schedule.regions], "table": table,
+            "recompute_s": float(schedule.recompute_time)}

@@ -1,0 +1,284 @@
+"""Optimal activation checkpointing of a chain: Rotor's dynamic program over memory slots.
+
+After Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
+heterogeneous chains: how to train deep neural networks with limited memory" (arXiv
+1911.13214, §4: the persistent-schedule recurrence over (first stage, last stage, memory)).
+The recurrence is written here for the schedules that nested non-reentrant
+``torch.utils.checkpoint`` regions execute, so that every schedule found can be emitted.
+
+The chain has ``L`` stages; stage ``i`` reads activation ``x[i]`` (bytes) and produces
+``x[i + 1]``; run storing, it keeps ``xbar[i] - x[i]`` bytes for backward besides its
+input; its forward needs ``fwd_tmp[i]`` transient bytes, its backward ``bwd_tmp[i]``; the
+gradient of ``x[i]`` has the size of ``x[i]``. Times are ``fwd_time[i]``, ``bwd_time[i]``
+(seconds).
+
+Executing stages ``[s, t)`` given ``x[s]`` and the gradient of ``x[t]`` (``run(s, t)``)
+ends with only the gradient of ``x[s]`` live. Its first step is either
+
+* stage ``s`` run storing: forward ``s``, ``run(s + 1, t)`` with ``x[s]`` and the saved
+  bytes held, backward ``s``; or
+* a checkpoint region ``[s, k)``, ``k < t``: forward of ``s..k-1`` keeping only ``x[s]``
+  and each stage's output until the next consumed it, ``run(k, t)`` with ``x[s]`` held,
+  then the region's recompute ``run(s, k)`` (whose own regions are the nested ones).
+
+``C(s, t, m)``, the least time of ``run(s, t)`` whose peak stays within ``m`` memory
+slots, follows from these two options; a schedule is a tree of :class:`Region`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class InfeasibleBudget(ValueError):
+    """No schedule fits the budget; ``min_budget`` is the smallest one that does (bytes)."""
+
+    def __init__(self, budget: float, min_budget: float):
+        self.min_budget = float(min_budget)
+        super().__init__(f"no checkpointing schedule fits {budget:.0f} bytes; the smallest budget that fits "
+                         f"(everything recomputed as needed) is {self.min_budget:.0f} bytes")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Per-stage times (seconds) and sizes (bytes), arrays of length L (``x``: L + 1).
+
+    Raises:
+        ValueError: on mismatched lengths or negative values.
+    """
+
+    fwd_time: np.ndarray
+    bwd_time: np.ndarray
+    x: np.ndarray
+    xbar: np.ndarray
+    fwd_tmp: np.ndarray
+    bwd_tmp: np.ndarray
+
+    def __post_init__(self):
+        n = len(self.fwd_time)
+        for name in ("bwd_time", "xbar", "fwd_tmp", "bwd_tmp"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Chain.{name} has {len(getattr(self, name))} entries, fwd_time {n}")
+        if len(self.x) != n + 1:
+            raise ValueError(f"Chain.x needs L + 1 = {n + 1} entries (stage inputs and the output), got {len(self.x)}")
+        for name in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
+            if np.any(np.asarray(getattr(self, name)) < 0):
+                raise ValueError(f"Chain.{name} has negative entries")
+        if np.any(np.asarray(self.xbar) < np.asarray(self.x[:n])):
+            raise ValueError("Chain.xbar[i] includes the input x[i]: it cannot be smaller")
+
+    def __len__(self) -> int:
+        return len(self.fwd_time)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Stages ``[start, stop)`` run under one checkpoint; ``children`` are checkpointed
+    again during its recompute."""
+
+    start: int
+    stop: int
+    children: tuple["Region", ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Top-level regions, modelled total seconds (forward, backward and recompute), the
+    recompute seconds alone, and the modelled peak bytes."""
+
+    regions: tuple[Region, ...]
+    compute_time: float
+    recompute_time: float
+    peak_bytes: float
+
+
+# ------------------------------------------------------------------ peaks of the two options
+def _store_peaks(c: Chain, s: int, t: int) -> tuple[float, float]:
+    """(peak of forward ``s`` storing, peak of backward ``s``) on top of ``run``'s entry."""
+    x = c.x
+    held = c.xbar[s] - x[s]
+    fwd = x[s] + x[t] + x[s + 1] + c.fwd_tmp[s]
+    bwd = x[s] + held + x[s + 1] + x[s] + c.bwd_tmp[s]
+    return fwd, bwd
+
+
+def _region_forward_peak(c: Chain, s: int, k: int, t: int) -> float:
+    x = c.x
+    return max(x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + c.fwd_tmp[i] for i in range(s, k))
+
+
+# ------------------------------------------------------------------ simulation
+def simulate(chain: Chain, regions) -> tuple[float, float]:
+    """Seconds and peak bytes of executing ``regions`` (a tree of :class:`Region`, or a
+    :class:`Schedule`) on ``chain``, stage by stage in nested-checkpoint order (see the
+    module docstring for what is live when).
+
+    Raises:
+        ValueError: overlapping, empty or out-of-range regions.
+    """
+    if isinstance(regions, Schedule):
+        regions = regions.regions
+    x = chain.x
+    peak = 0.0
+    time = 0.0
+
+    def run(s: int, t: int, regs: list[Region], outside: float) -> None:
+        """[s, t) entered with x[s] and the gradient of x[t] live on top of ``outside``;
+        leaves the gradient of x[s]."""
+        nonlocal peak, time
+        peak = max(peak, outside + x[s] + x[t])
+        if s == t:
+            return
+        first = regs[0] if regs else None
+        if first is not None and (first.start < s or first.stop > t or first.stop <= first.start
+                                  or (len(regs) > 1 and regs[1].start < first.stop)):
+            raise ValueError(f"regions {regs[:2]} overlap, are empty or leave stages [{s}, {t})")
+        if first is not None and first.start == s:
+            k = first.stop
+            for i in range(s, k):  # forward keeping only x[s] and the current output
+                peak = max(peak, outside + x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + chain.fwd_tmp[i])
+                time += chain.fwd_time[i]
+            run(k, t, regs[1:], outside + x[s])
+            run(s, k, sorted(first.children, key=lambda r: r.start), outside)  # the recompute
+            return
+        held = chain.xbar[s] - x[s]
+        peak = max(peak, outside + x[s] + x[t] + x[s + 1] + chain.fwd_tmp[s])
+        time += chain.fwd_time[s]
+        run(s + 1, t, regs, outside + x[s] + held)
+        peak = max(peak, outside + x[s] + held + x[s + 1] + x[s] + chain.bwd_tmp[s])
+        time += chain.bwd_time[s]
+
+    run(0, len(chain), sorted(regions, key=lambda r: r.start), 0.0)
+    return float(time), float(peak)
+
+
+# ------------------------------------------------------------------ minimal budget
+def min_budget(chain: Chain) -> float:
+    """The smallest peak (bytes) any schedule reaches on ``chain``."""
+    n = len(chain)
+    x = chain.x
+    best = [[0.0] * (n + 1) for _ in range(n + 1)]
+    for t in range(n + 1):
+        best[t][t] = x[t] + x[t]
+    for length in range(1, n + 1):
+        for s in range(0, n - length + 1):
+            t = s + length
+            f, b = _store_peaks(chain, s, t)
+            p = max(f, b, x[s] + chain.xbar[s] - x[s] + best[s + 1][t])
+            for k in range(s + 1, t):
+                p = min(p, max(_region_forward_peak(chain, s, k, t), x[s] + best[k][t], best[s][k]))
+            best[s][t] = p
+    return best[0][n]
+
+
+# ------------------------------------------------------------------ the dynamic program
+def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
+    """The fastest schedule of ``chain`` whose modelled peak stays within ``budget_bytes``.
+
+    Memory is counted in ``slots`` units of ``budget_bytes / slots`` bytes, every size
+    rounded up, so the schedule found never exceeds the budget in the exact model (and
+    may miss one that fits by less than a slot per term). ``C(s, t, ·)`` is a vector over
+    memory slots; both options are evaluated for all memory values at once with numpy:
+    O(L³) vector operations (a 48-stage chain with 500 slots: well under a second).
+
+    Raises:
+        InfeasibleBudget: when no schedule fits; it carries the smallest budget that does.
+    """
+    n = len(chain)
+    stored = no_checkpoint(chain)
+    if stored.peak_bytes <= budget_bytes:  # the fastest schedule fits: nothing to recompute
+        return stored
+    need = min_budget(chain)
+    if budget_bytes < need:
+        raise InfeasibleBudget(budget_bytes, need)
+    unit = budget_bytes / slots
+    x = chain.x
+
+    def q(b: float) -> int:
+        return int(math.ceil(b / unit - 1e-9))
+
+    m_axis = np.arange(slots + 1)
+    inf = np.inf
+    cost: dict[tuple[int, int], np.ndarray] = {}
+    how: dict[tuple[int, int], np.ndarray] = {}
+    for t in range(n + 1):
+        cost[t, t] = np.where(m_axis >= q(2 * x[t]), 0.0, inf)
+        how[t, t] = np.full(slots + 1, -1, dtype=np.int64)
+
+    def shifted(vec: np.ndarray, by: int) -> np.ndarray:
+        """``out[m] = vec[m - by]`` (inf where m - by < 0)."""
+        if by <= 0:
+            return vec
+        out = np.full_like(vec, inf)
+        if by <= slots:
+            out[by:] = vec[:slots + 1 - by]
+        return out
+
+    for length in range(1, n + 1):
+        for s in range(0, n - length + 1):
+            t = s + length
+            f, b = _store_peaks(chain, s, t)
+            held = q(x[s] + chain.xbar[s] - x[s])
+            best = shifted(cost[s + 1, t], held) + chain.fwd_time[s] + chain.bwd_time[s]
+            best = np.where(m_axis >= q(max(f, b)), best, inf)
+            choice = np.full(slots + 1, -1, dtype=np.int64)
+            fwd_sum = 0.0
+            for k in range(s + 1, t):
+                fwd_sum += chain.fwd_time[k - 1]
+                cand = shifted(cost[k, t], q(x[s])) + cost[s, k] + fwd_sum
+                cand = np.where(m_axis >= q(_region_forward_peak(chain, s, k, t)), cand, inf)
+                better = cand < best
+                best = np.where(better, cand, best)
+                choice = np.where(better, k, choice)
+            cost[s, t] = best
+            how[s, t] = choice
+
+    if not np.isfinite(cost[0, n][slots]):  # fits exactly, not once rounded up: a peak sums at
+        raise InfeasibleBudget(budget_bytes, need + unit * (2 * n + 2))  # most 2L+2 rounded terms
+
+    def regions(s: int, t: int, m: int) -> list[Region]:
+        out = []
+        while s < t:
+            k = int(how[s, t][m])
+            if k < 0:
+                m -= q(chain.xbar[s])
+                s += 1
+                continue
+            out.append(Region(s, k, tuple(regions(s, k, m))))
+            m -= q(x[s])
+            s = k
+        return out
+
+    return _schedule(chain, tuple(regions(0, n, slots)))
+
+
+# ------------------------------------------------------------------ baselines
+def _recompute(chain: Chain, regions) -> float:
+    """Extra forward seconds: each stage runs once more per region around it."""
+    return sum(float(np.sum(chain.fwd_time[r.start:r.stop])) + _recompute(chain, r.children) for r in regions)
+
+
+def _schedule(chain: Chain, regions) -> Schedule:
+    total, peak = simulate(chain, regions)
+    return Schedule(tuple(regions), total, _recompute(chain, regions), peak)
+
+
+def no_checkpoint(chain: Chain) -> Schedule:
+    """Everything stored: no recomputation."""
+    return _schedule(chain, ())
+
+
+def checkpoint_every_stage(chain: Chain) -> Schedule:
+    """Each stage its own region: only stage inputs are kept through the forward."""
+    return _schedule(chain, [Region(i, i + 1) for i in range(len(chain))])
+
+
+def chen_sqrt(chain: Chain) -> Schedule:
+    """Segments of about √L stages, each a region (Chen, Xu, Zhang, Guestrin, "Training
+    Deep Nets with Sublinear Memory Cost", arXiv 1604.06174, §4)."""
+    n = len(chain)
+    size = max(1, int(round(math.sqrt(n))))
+    return _schedule(chain, [Region(i, min(n, i + size)) for i in range(0, n, size)])
