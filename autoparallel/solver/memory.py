@@ -95,6 +95,7 @@ class Item:
     end: int
     size: Callable[[Strategy], int]
     forward_value: bool = False  # a forward output living until its last forward use
+    value: fx.Node | None = None  # for a saved activation, the node whose output it is
 
 
 @dataclass
@@ -303,9 +304,10 @@ class MemoryModel:
                 shape, dtype = node_info(x).outputs[0]
                 j = rec.input_pos
                 items.append(Item("activations", n, start, end,
-                                  lambda s, sh=shape, dt=dtype, j=j: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape)))
+                                  lambda s, sh=shape, dt=dtype, j=j: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape),
+                                  value=u))
             else:
-                items.append(Item("activations", u, start, end, out_size(u, i)))
+                items.append(Item("activations", u, start, end, out_size(u, i), value=u))
         self.items = items
 
     def _internal_size(self, node: fx.Node, nbytes: int) -> Callable[[Strategy], int]:

@@ -22,7 +22,7 @@ from ..plan import Plan
 from ..strategies import Strategy
 from .blocks import block_key
 from .memory import MemoryModel
-from .rotor import Chain, Region, Schedule
+from .rotor import Chain, Region, Schedule, checkpoint_every_stage
 
 
 def chain_stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -66,8 +66,9 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
 
     Returns:
         ``(chain, fixed)``: per stage forward/backward seconds and input, saved and
-        transient bytes; ``fixed``: bytes live throughout (parameters, all gradients,
-        optimizer states, inputs, values of nodes outside the chain).
+        transient bytes (a backward's transient bytes include every parameter gradient:
+        they accumulate through the backward); ``fixed``: bytes live throughout
+        (parameters, optimizer states, inputs, values of nodes outside the chain).
     """
     n_st = max(stages.values()) + 1
     step_stage = np.array([stages.get(n, -1) for n in memory.nodes])
@@ -81,7 +82,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
         bwd[st] += np_.compute_s + np_.comm_s - f
     x = np.zeros(n_st + 1)
     saved = np.zeros(n_st)
-    fixed = 0
+    fixed = grads = 0
     n_fwd = len(memory.nodes)
     transient: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * n_st)]  # fwd / bwd of each stage
     for it in memory.items:
@@ -90,8 +91,10 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
             st = step_stage[it.start]
             if st < 0:
                 fixed += b
-            else:
+            elif it.value is None or stages.get(it.value, st) >= st:  # a stage's input is in x already
                 saved[st] += b
+        elif it.kind == "gradients":
+            grads += b
         elif it.kind != "temporaries" or it.owner not in stages:
             fixed += b
         elif it.forward_value:
@@ -110,6 +113,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 events[a] += b
                 events[e + 1] -= b
             peaks[k] = np.cumsum(events).max()
+    peaks[1::2] += grads  # parameter gradients accumulate through the backward: counted whole there
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
                   fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2])
     return chain, int(fixed)
@@ -124,7 +128,9 @@ def region_from_json(d: dict) -> Region:
 
 
 def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]) -> dict:
-    """``Plan.checkpoint`` for ``schedule``: node stages, region tree, per-region table."""
+    """``Plan.checkpoint`` for ``schedule``: node stages, region tree, per-region table, and
+    for comparison the schedule checkpointing every stage (regions, recompute seconds,
+    modelled activation peak)."""
     count = np.bincount(list(stages.values()), minlength=len(chain.fwd_time))
     table = []
     for r in schedule.regions:
@@ -132,6 +138,9 @@ def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]
         table.append({"stages": f"{r.start}-{r.stop - 1}", "nodes": int(count[span].sum()),
                       "saved_bytes": int(chain.xbar[span].sum() - chain.x[r.start]),
                       "recompute_s": float(chain.fwd_time[span].sum())})
+    every = checkpoint_every_stage(chain)
     return {"stages": {n.name: int(s) for n, s in stages.items()},
             "regions": [region_json(r) for r in schedule.regions], "table": table,
-            "recompute_s": float(schedule.recompute_time)}
+            "recompute_s": float(schedule.recompute_time), "chain_peak_bytes": float(schedule.peak_bytes),
+            "every_stage": {"regions": [region_json(r) for r in every.regions],
+                            "recompute_s": float(every.recompute_time), "chain_peak_bytes": float(every.peak_bytes)}}
