@@ -1,7 +1,8 @@
 """Tier 3: real processes. 4 gloo ranks on a 2 x 2 mesh run a small GPT-2 through
 ``autoparallelize`` and check parity with the single-device model through real c10d:
 the loss and every parameter gradient after one forward+backward, and again after each
-of 3 SGD steps. All checks share one spawn (start-up costs ~2 s per spawn).
+of 3 SGD steps; then a 4-layer GPT-2 under a memory budget that needs activation
+checkpointing (one step). All checks share one spawn (start-up costs ~2 s per spawn).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tiny_gpt2():
+def _tiny_gpt2(layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
                         use_cache=False)
     torch.manual_seed(0)
@@ -113,6 +114,27 @@ def _worker(rank: int, port: int) -> None:
             ref_loss = ref(**batch).loss
             ref_loss.backward()
             _check(rank, f"step {step}" + (" (after SGD)" if step else ""), loss, ref_loss, pmodel, ref_params)
+
+        # a memory budget sharding alone cannot meet: recomputation through checkpoint regions
+        # that contain collectives, replayed in backward on every rank
+        model = _tiny_gpt2(layers=4)
+        ref = copy.deepcopy(model)
+        ref_params = dict(ref.named_parameters())
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, VOCAB, (8, 32), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+        cpu = autoparallel.CostModel("cpu")
+        free = autoparallel.plan(model, meta_inputs, mesh_shape=MESH_SHAPE, cost_model=cpu, cache_dir=False)
+        budget = int(0.5 * free.estimate["peak_memory_bytes"])
+        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cpu,
+                                              memory_budget=budget, cache_dir=False)
+        assert pmodel.plan.checkpoint["regions"], "the budget should need recomputation"
+        loss = pmodel(**batch).loss
+        loss.backward()
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        _check(rank, "with activation checkpointing", loss, ref_loss, pmodel, ref_params)
         dist.barrier()
     finally:
         dist.destroy_process_group()
