@@ -95,8 +95,10 @@ class Plan:
         conversions: every resharding between nodes.
         param_placements: parameter and buffer name (tied names included) → spec.
         estimate: ``step_time_s`` (predicted seconds of one forward+backward, recomputation
-            included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device) and
-            ``memory`` (the peak's step and breakdown, see :mod:`autoparallel.solver.memory`).
+            included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device, with
+            recomputation when there is some) and ``memory`` (the peak without recomputation,
+            its step and breakdown, see :mod:`autoparallel.solver.memory`; with recomputation
+            also ``checkpointed_peak_bytes``).
         solver_stats: ILP size, times (s), status.
         checkpoint: activation checkpointing (empty when none): ``stages`` (node name →
             chain stage), ``regions`` (nested ``{"start", "stop", "children"}`` stage ranges

@@ -94,7 +94,7 @@ def test_infeasible_budget_states_the_smallest_reachable():
         autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget="1MiB", time_limit=20)
     reachable = int(str(err.value).split("(")[-1].split(" bytes")[0])
     ok = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=reachable)
-    assert ok.estimate["memory"]["peak_bytes"] <= reachable
+    assert ok.estimate["peak_memory_bytes"] <= reachable
 
 
 def _checkpointed(mesh_shape, sim_mesh, frac=0.7):

@@ -326,7 +326,7 @@ class Planner:
             log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.0f%% of the "
                      "way to the budget", len(schedule.regions), schedule.recompute_time, 100 * (1 - frac))
             return found, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
-        best = min(reachable) if reachable else top
+        best = int(math.ceil(min(reachable))) if reachable else top
         raise InfeasiblePlanError(
             f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
             f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, "
