@@ -69,18 +69,63 @@ def hf_model(name, layers=2):
         cfg = T.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_decoder_layers=layers,
                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
         return T.T5ForConditionalGeneration(cfg)
+    if name in FAMILIES:
+        return FAMILIES[name](T)
     raise ValueError(name)
+
+
+_D = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, max_position_embeddings=32)
+FAMILIES = {  # more architectures sharing the building blocks above, tiny, dropout 0
+    # decoders: rotary on part of the head and parallel attention/MLP (NeoX, Phi, GPT-J), GQA with
+    # qkv bias (Qwen2), sliding-window GQA (Mistral), learned positions with an offset (OPT, tied)
+    "gpt_neox": lambda T: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        **_D, intermediate_size=128, rotary_pct=0.5, use_cache=False, hidden_dropout=0, attention_dropout=0)),
+    "qwen2": lambda T: T.Qwen2ForCausalLM(T.Qwen2Config(
+        **_D, intermediate_size=128, num_key_value_heads=2, use_cache=False)),
+    "mistral": lambda T: T.MistralForCausalLM(T.MistralConfig(
+        **_D, intermediate_size=128, num_key_value_heads=2, sliding_window=8, use_cache=False)),
+    "opt": lambda T: T.OPTForCausalLM(T.OPTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, max_position_embeddings=32,
+        ffn_dim=128, word_embed_proj_dim=64, dropout=0, attention_dropout=0, use_cache=False)),
+    "phi": lambda T: T.PhiForCausalLM(T.PhiConfig(
+        **_D, intermediate_size=128, partial_rotary_factor=0.5, resid_pdrop=0, embd_pdrop=0, attention_dropout=0,
+        use_cache=False)),
+    "gptj": lambda T: T.GPTJForCausalLM(T.GPTJConfig(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32, rotary_dim=8, resid_pdrop=0, embd_pdrop=0,
+        attn_pdrop=0, use_cache=False)),
+    # encoders related to BERT (MLM heads; RoBERTa's positions count non-padding tokens)
+    "roberta": lambda T: T.RobertaForMaskedLM(T.RobertaConfig(
+        **dict(_D, max_position_embeddings=40), intermediate_size=128, hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0)),
+    "distilbert": lambda T: T.DistilBertForMaskedLM(T.DistilBertConfig(
+        dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=128, max_position_embeddings=32, dropout=0,
+        attention_dropout=0)),
+    # shapes no mesh axis divides: vocabulary 131 (prime), batch 6 and sequence 15 (batch_for)
+    "gpt2_uneven": lambda T: T.GPT2LMHeadModel(T.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=131, n_positions=32, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+        use_cache=False)),
+    # vision: patch embedding by convolution, CLS token, classification head
+    "vit": lambda T: T.ViTForImageClassification(T.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+        patch_size=8, num_labels=10, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
+}
+ENCODERS = {"bert", "roberta", "distilbert"}
 
 
 def batch_for(name, seed, batch=8, seq=16):
     g = torch.Generator().manual_seed(seed)
+    if name == "gpt2_uneven":
+        batch, seq = 6, 15
     if name == "cnn":
         return {"x": torch.randn(batch, 3, 16, 16, generator=g), "y": torch.randint(0, 10, (batch,), generator=g)}
     if name == "mlp":
         return {"x": torch.randn(batch, 256, generator=g), "y": torch.randn(batch, 256, generator=g)}
+    if name == "vit":
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g),
+                "labels": torch.randint(0, 10, (batch,), generator=g)}
     b = {"input_ids": torch.randint(0, 128, (batch, seq), generator=g),
          "labels": torch.randint(0, 128, (batch, seq if name != "t5" else seq - 4), generator=g)}
-    if name == "bert":
+    if name in ENCODERS:
         b["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
         b["labels"][:, ::3] = -100  # MLM: most positions are ignored
     return b
