@@ -143,10 +143,10 @@ class Plan:
                 f"{len(self.collectives)} forward collectives")
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
-            regions = [[r["stages"], r["nodes"], f"{r['saved_bytes'] / 2**20:.1f}", f"{r['recompute_s']:.3g}"]
-                       for r in self.checkpoint["table"]]
+            regions = [[r["stages"], r["modules"], r["nodes"], f"{r['saved_bytes'] / 2**20:.1f}",
+                        f"{r['recompute_s']:.3g}"] for r in self.checkpoint["table"]]
             out += "\n\nactivation checkpointing (recomputed in backward):\n" + tabulate(
-                regions, ["stages", "nodes", "memory saved MiB", "recompute s"], tablefmt="simple")
+                regions, ["stages", "modules", "nodes", "memory saved MiB", "recompute s"], tablefmt="simple")
         return out
 
     def __str__(self) -> str:
