@@ -81,3 +81,17 @@ def test_region_interleaved_with_a_reader_is_refused():
     stage_of[ops[4]] = 5  # block 1's tanh belongs to a later stage, yet block 1's add reads it
     with pytest.raises(ValueError, match="not contiguous"):
         apply_checkpointing(gm, stage_of, [Region(1, 2)])
+
+
+def test_single_op_regions():
+    model, gm, stage_of = _traced()
+    x = torch.randn(8, 16)
+    model(x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ops = [n for n in gm.graph.nodes if n in stage_of]
+    one_op = {n: i for i, n in enumerate(ops)}  # every op its own stage and region
+    apply_checkpointing(gm, one_op, [Region(i, i + 1) for i in range(len(ops))])
+    gm(x).backward()
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g)

@@ -45,11 +45,11 @@ def _wrap(gm: fx.GraphModule, stage_of: dict[fx.Node, int], region: Region) -> N
     # ops of other stages between the region's first and last op (e.g. shared index math) move
     # before it when they do not read the region; otherwise the region is not contiguous
     first, last = ops[0], ops[-1]
-    between, cur = [], first.next
+    between, cur = [], first
     while cur is not last:
+        cur = cur.next
         if cur not in inside:
             between.append(cur)
-        cur = cur.next
     for n in between:
         if any(a in inside for a in n.all_input_nodes):
             raise ValueError(f"checkpoint region of stages {region.start}..{region.stop - 1} is not contiguous: "
