@@ -15,7 +15,7 @@ Then activation checkpointing on the GPT-2-class model, one device: the budget l
 parameters, gradients and optimizer states whole and half of the activation memory the
 plan without checkpointing peaks at. Printed: the regions chosen, the modelled and the
 measured recompute overhead (target ≤ 20 % of the step), the measured peak against the
-budget, and the same for checkpointing every layer. Step times are the median of 5
+budget, and the same for checkpointing every stage (sub-block). Step times are the median of 5
 steps on this CPU.
 """
 
@@ -137,7 +137,7 @@ def checkpointing():
         every = autoparallel.api.emit(copy.deepcopy(model), traced, every_plan, mesh)
         base = _step_seconds(plain, batch)
         rows = [("Rotor schedule", ck, ck.plan.checkpoint["recompute_s"]),
-                ("every layer", every, ck.plan.checkpoint["every_stage"]["recompute_s"])]
+                ("every stage", every, ck.plan.checkpoint["every_stage"]["recompute_s"])]
         step_model = free.estimate["step_time_s"]
         print(f"  regions chosen: {[(r['start'], r['stop']) for r in ck.plan.checkpoint['regions']]}")
         for label, module, recompute in rows:
