@@ -114,7 +114,7 @@ def _step_seconds(module, batch, steps=5) -> float:
 
 
 def checkpointing():
-    """Checkpointing at half the activation memory, next to checkpointing every layer."""
+    """Checkpointing at half the activation memory, next to checkpointing every stage."""
     torch.manual_seed(0)
     model, batch = gpt2()
     cost = autoparallel.CostModel("cpu")
