@@ -21,10 +21,13 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * activation gradients, from the backward of the value's last consumer to the backward
   of its producer, under the value's spec.
 
-Which tensors autograd saves is measured, not guessed: the captured graph runs once on
-FakeTensors of the run device under ``torch.autograd.graph.saved_tensors_hooks``, so the
-backend choices (e.g. SDPA's flash kernel saving logsumexp instead of the probabilities)
-are those of the real run. Saved tensors are matched to graph values by storage. The model
+Which tensors autograd saves is measured, not guessed: each distinct op signature of the
+captured graph runs once, alone, on FakeTensors of the run device under
+``torch.autograd.graph.saved_tensors_hooks``, so the backend choices (e.g. SDPA's flash
+kernel saving logsumexp instead of the probabilities) are those of the real run. Saved
+tensors are matched to the op's inputs and outputs by storage, then to the graph values
+owning those storages (through views, in-place ops and getitems). An op that cannot run
+alone on FakeTensors is assumed to save every input that needs a gradient. The model
 ignores allocator fragmentation and the workspace of kernels; collectives' buffers count
 as the converted tensors they produce.
 """
