@@ -11,14 +11,14 @@ from autoparallel.solver.rotor import (Chain, InfeasibleBudget, Region, checkpoi
                                        no_checkpoint, simulate, solve)
 
 
-def _chain(n, seed, integer=False):
+def _chain(n, seed):
     rng = np.random.default_rng(seed)
     x = rng.integers(1, 20, n + 1).astype(float)
     x[-1] = 1.0
     saved = rng.integers(5, 60, n).astype(float)
     f = rng.uniform(1, 5, n)
     return Chain(fwd_time=f, bwd_time=2 * f, x=x, xbar=x[:n] + saved, fwd_tmp=rng.integers(0, 5, n).astype(float),
-                 bwd_tmp=rng.integers(0, 5, n).astype(float))
+                 bwd_tmp=rng.integers(0, 5, n).astype(float), grad=rng.integers(0, 8, n).astype(float))
 
 
 def _trees(s, t, whole=True):

@@ -79,9 +79,9 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
 
     Returns:
         ``(chain, fixed)``: per stage forward/backward seconds and input, saved and
-        transient bytes; ``fixed``: bytes counted as live throughout (parameters, optimizer
-        states, inputs, values of nodes outside the chain, and every parameter gradient:
-        they accumulate through the backward, recomputed forwards included).
+        transient bytes, and the parameter gradients each stage's backward allocates (those
+        of a parameter belong to the stage of its last use); ``fixed``: bytes live
+        throughout (parameters, optimizer states, inputs, values of nodes outside the chain).
     """
     n_st = max(stages.values()) + 1
     step_stage = np.array([stages.get(n, -1) for n in memory.nodes])
@@ -95,6 +95,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
         bwd[st] += np_.compute_s + np_.comm_s - f
     x = np.zeros(n_st + 1)
     saved = np.zeros(n_st)
+    grad = np.zeros(n_st)
     fixed = 0
     n_fwd = len(memory.nodes)
     transient: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * n_st)]  # fwd / bwd of each stage
@@ -106,6 +107,12 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 fixed += b
             elif it.value is None or stages.get(it.value, st) >= st:  # a stage's input is in x already
                 saved[st] += b
+        elif it.kind == "gradients":  # allocated at the backward of the parameter's last use
+            st = step_stage[2 * n_fwd - 1 - it.start]
+            if st < 0:
+                fixed += b
+            else:
+                grad[st] += b
         elif it.kind != "temporaries" or it.owner not in stages:
             fixed += b
         elif it.forward_value:
@@ -125,7 +132,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 events[e + 1] -= b
             peaks[k] = np.cumsum(events).max()
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
-                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2])
+                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2], grad=grad)
     return chain, int(fixed)
 
 

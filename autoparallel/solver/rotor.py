@@ -21,6 +21,10 @@ ends with only the gradient of ``x[s]`` live. Its first step is either
   and each stage's output until the next consumed it, ``run(k, t)`` with ``x[s]`` held,
   then the region's recompute ``run(s, k)`` (whose own regions are the nested ones).
 
+Parameter gradients (``grad[i]``, allocated by stage ``i``'s backward) stay live to the
+end of the step: every peak inside ``run(s, t)`` includes those of stages ``t..``, and
+the backward of ``s`` those of ``s..``.
+
 ``C(s, t, m)``, the least time of ``run(s, t)`` whose peak stays within ``m`` memory
 slots, follows from these two options; a schedule is a tree of :class:`Region`.
 """
@@ -44,7 +48,9 @@ class InfeasibleBudget(ValueError):
 
 @dataclass(frozen=True)
 class Chain:
-    """Per-stage times (seconds) and sizes (bytes), arrays of length L (``x``: L + 1).
+    """Per-stage times (seconds) and sizes (bytes), arrays of length L (``x``: L + 1);
+    ``grad``: bytes of parameter gradients each stage's backward produces (they stay live
+    to the end of the step, so stages ``i..`` hold ``grads_from[i]`` once past them).
 
     Raises:
         ValueError: on mismatched lengths or negative values.
@@ -56,15 +62,20 @@ class Chain:
     xbar: np.ndarray
     fwd_tmp: np.ndarray
     bwd_tmp: np.ndarray
+    grad: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.fwd_time)
-        for name in ("bwd_time", "xbar", "fwd_tmp", "bwd_tmp"):
+        if self.grad is None:
+            object.__setattr__(self, "grad", np.zeros(n))
+        # G[i]: parameter-gradient bytes of stages i.. (live once their backward has run)
+        object.__setattr__(self, "grads_from", np.concatenate([np.cumsum(np.asarray(self.grad)[::-1])[::-1], [0.0]]))
+        for name in ("bwd_time", "xbar", "fwd_tmp", "bwd_tmp", "grad"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Chain.{name} has {len(getattr(self, name))} entries, fwd_time {n}")
         if len(self.x) != n + 1:
             raise ValueError(f"Chain.x needs L + 1 = {n + 1} entries (stage inputs and the output), got {len(self.x)}")
-        for name in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
+        for name in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp", "grad"):
             if np.any(np.asarray(getattr(self, name)) < 0):
                 raise ValueError(f"Chain.{name} has negative entries")
         if np.any(np.asarray(self.xbar) < np.asarray(self.x[:n])):
@@ -100,14 +111,15 @@ def _store_peaks(c: Chain, s: int, t: int) -> tuple[float, float]:
     """(peak of forward ``s`` storing, peak of backward ``s``) on top of ``run``'s entry."""
     x = c.x
     held = c.xbar[s] - x[s]
-    fwd = x[s] + x[t] + x[s + 1] + c.fwd_tmp[s]
-    bwd = x[s] + held + x[s + 1] + x[s] + c.bwd_tmp[s]
+    g = c.grads_from
+    fwd = x[s] + x[t] + x[s + 1] + c.fwd_tmp[s] + g[t]
+    bwd = x[s] + held + x[s + 1] + x[s] + c.bwd_tmp[s] + g[s]
     return fwd, bwd
 
 
 def _region_forward_peak(c: Chain, s: int, k: int, t: int) -> float:
     x = c.x
-    return max(x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + c.fwd_tmp[i] for i in range(s, k))
+    return max(x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + c.fwd_tmp[i] for i in range(s, k)) + c.grads_from[t]
 
 
 # ------------------------------------------------------------------ simulation
@@ -129,7 +141,8 @@ def simulate(chain: Chain, regions) -> tuple[float, float]:
         """[s, t) entered with x[s] and the gradient of x[t] live on top of ``outside``;
         leaves the gradient of x[s]."""
         nonlocal peak, time
-        peak = max(peak, outside + x[s] + x[t])
+        g = chain.grads_from
+        peak = max(peak, outside + x[s] + x[t] + g[t])
         if s == t:
             return
         first = regs[0] if regs else None
@@ -139,16 +152,17 @@ def simulate(chain: Chain, regions) -> tuple[float, float]:
         if first is not None and first.start == s:
             k = first.stop
             for i in range(s, k):  # forward keeping only x[s] and the current output
-                peak = max(peak, outside + x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + chain.fwd_tmp[i])
+                peak = max(peak, outside + x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + chain.fwd_tmp[i]
+                           + g[t])
                 time += chain.fwd_time[i]
             run(k, t, regs[1:], outside + x[s])
             run(s, k, sorted(first.children, key=lambda r: r.start), outside)  # the recompute
             return
         held = chain.xbar[s] - x[s]
-        peak = max(peak, outside + x[s] + x[t] + x[s + 1] + chain.fwd_tmp[s])
+        peak = max(peak, outside + x[s] + x[t] + x[s + 1] + chain.fwd_tmp[s] + g[t])
         time += chain.fwd_time[s]
         run(s + 1, t, regs, outside + x[s] + held)
-        peak = max(peak, outside + x[s] + held + x[s + 1] + x[s] + chain.bwd_tmp[s])
+        peak = max(peak, outside + x[s] + held + x[s + 1] + x[s] + chain.bwd_tmp[s] + g[s])
         time += chain.bwd_time[s]
 
     run(0, len(chain), sorted(regions, key=lambda r: r.start), 0.0)
@@ -162,7 +176,7 @@ def min_budget(chain: Chain) -> float:
     x = chain.x
     best = [[0.0] * (n + 1) for _ in range(n + 1)]
     for t in range(n + 1):
-        best[t][t] = x[t] + x[t]
+        best[t][t] = x[t] + x[t] + chain.grads_from[t]
     for length in range(1, n + 1):
         for s in range(0, n - length + 1):
             t = s + length
@@ -205,7 +219,7 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
     cost: dict[tuple[int, int], np.ndarray] = {}
     how: dict[tuple[int, int], np.ndarray] = {}
     for t in range(n + 1):
-        cost[t, t] = np.where(m_axis >= q(2 * x[t]), 0.0, inf)
+        cost[t, t] = np.where(m_axis >= q(2 * x[t] + chain.grads_from[t]), 0.0, inf)
         how[t, t] = np.full(slots + 1, -1, dtype=np.int64)
 
     def shifted(vec: np.ndarray, by: int) -> np.ndarray:
