@@ -35,12 +35,10 @@ def build(name):
     return MLP() if name == "mlp" else CNN() if name == "cnn" else hf_model(name).train()
 
 
-@pytest.mark.parametrize("cost", sorted(COST_MODELS))
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "bert", "t5"])
-def test_parity(name, mesh_shape, cost, sim_mesh):
-    if name not in ("mlp", "cnn"):
-        pytest.importorskip("transformers")
+def run_parity(name, mesh_shape, cost, sim_mesh, steps=4):
+    """Train ``name`` on a simulated mesh and on one device side by side: the loss and every
+    parameter gradient must agree on every rank at each of ``steps`` checks, with an SGD step
+    between checks. Returns the parallel module."""
     mesh = sim_mesh(mesh_shape)
     ref = build(name)
     model = copy.deepcopy(ref)
@@ -53,7 +51,7 @@ def test_parity(name, mesh_shape, cost, sim_mesh):
     assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
-    for step in range(4):  # step 0, then again after each of 3 SGD steps
+    for step in range(steps):  # step 0, then again after each SGD step
         batch = batch_for(name, step)
         ref_opt.zero_grad()
         want = loss_of(ref(**batch))
@@ -66,8 +64,20 @@ def test_parity(name, mesh_shape, cost, sim_mesh):
             for pname, p in pmodel.named_parameters():
                 assert_close(f"step {step} grad of {pname} {p.placements}", p.grad.full_tensor(),
                              ref_params[pname].grad)
-            opt.step()
-        ref_opt.step()
+            if step < steps - 1:
+                opt.step()
+        if step < steps - 1:
+            ref_opt.step()
+    return pmodel
+
+
+@pytest.mark.parametrize("cost", sorted(COST_MODELS))
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "bert", "t5"])
+def test_parity(name, mesh_shape, cost, sim_mesh):
+    if name not in ("mlp", "cnn"):
+        pytest.importorskip("transformers")
+    run_parity(name, mesh_shape, cost, sim_mesh)
 
 
 def test_outputs_keep_model_structure_and_tied_weights(sim_mesh):

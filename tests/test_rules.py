@@ -83,6 +83,8 @@ SAMPLES = {
     "split_cat": (lambda x, y: torch.cat(list(torch.split(x, 8, -1))[::-1] + [y], 1), [(4, 8, 16), (4, 8, 8)]),
     "chunk_stack": (lambda x: torch.stack(torch.chunk(x, 2, 1), 0).sum(0), [(4, 8, 16)]),
     "pad": (lambda x: F.pad(x, (1, 2)), [(4, 8, 16)]),
+    "repeat_interleave": (lambda x: (torch.repeat_interleave(x, 2, 1), x.repeat_interleave(2, -1, output_size=8),
+                                     x.repeat_interleave(2)), [(4, 8, 4)]),
     # reductions and scans
     "sum": (lambda x: x.sum(-1) + x.sum(1).sum(1, keepdim=True) + x.sum(), [(4, 8, 16)]),
     "mean": (lambda x: x.mean(1) + x.mean(), [(4, 8, 16)]),

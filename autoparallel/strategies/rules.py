@@ -243,6 +243,22 @@ def cat_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset(range(len(in_shapes)))])
 
 
+@rule(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(node, in_shapes, out_shapes):
+    """``x.repeat_interleave(r, dim)`` (GPT-J's rotary sin/cos): every dim keeps its split,
+    the repeated one too (a contiguous block of ``n/k`` elements repeats into the matching
+    block of ``n*r/k``), unless ``output_size`` gives the global length. Without ``dim`` the
+    input is flattened: replicated."""
+    nd = len(in_shapes[0])
+    dim = _arg(node, 2, "dim", None)
+    if dim is None or nd == 0:
+        return None
+    labs = _labels(nd)
+    if _arg(node, 3, "output_size", None) is not None:
+        labs = _forbid(labs, {_norm(dim, nd)})
+    return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+
+
 @rule(aten.pad.default, aten.constant_pad_nd.default)
 def pad_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
