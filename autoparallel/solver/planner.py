@@ -280,15 +280,15 @@ class Planner:
             return None
 
         found = stage1(memory_budget)
-        checkpoint = None
+        checkpoint = plan = None
         if found is None:
             stages = chain_stages(self.memory.nodes) if checkpointing else {}
             if not stages:
                 raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
-            found, checkpoint = self._two_stage(stage1, meta, stages, memory_budget, problem, decode, solver,
-                                                time_limit)
+            found, plan, checkpoint = self._two_stage(stage1, meta, stages, memory_budget, problem, decode,
+                                                      solver, time_limit)
         choice, sol, rounds = found
-        plan = self.make_plan(choice, meta)
+        plan = plan or self.make_plan(choice, meta)
         if checkpoint is not None:
             plan.checkpoint, peak = checkpoint
             plan.estimate["step_time_s"] += plan.checkpoint["recompute_s"]
@@ -304,7 +304,7 @@ class Planner:
         whose recomputation schedule fits wins.
 
         Returns:
-            ``((choice, solution, rounds), (plan.checkpoint, modelled peak bytes))``.
+            ``((choice, solution, rounds), plan, (plan.checkpoint, modelled peak bytes))``.
         """
         problem.memory_rows.clear()
         free = stage1(None)
@@ -325,7 +325,7 @@ class Planner:
                 continue
             log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.0f%% of the "
                      "way to the budget", len(schedule.regions), schedule.recompute_time, 100 * (1 - frac))
-            return found, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
+            return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
         best = int(math.ceil(min(reachable))) if reachable else top
         raise InfeasiblePlanError(
             f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
