@@ -12,11 +12,13 @@ export TOKENIZERS_PARALLELISM=false
 venv: $(STAMP)
 
 # torch==2.13.0 goes in first: with it already present, the project's pin is
-# satisfied and pip does not fetch a multi-GB CUDA build.
+# satisfied and pip does not fetch a multi-GB CUDA build. Then torchvision==0.28.0 (it
+# requires torch==2.13.0), before timm: an unpinned torchvision pulls torch 2.15 and CUDA.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
+	$(PIP) install torchvision==0.28.0
 	$(PIP) install -e '.[hf,test]'
 	touch $(STAMP)
 

@@ -5,6 +5,10 @@ every device of the mesh and computes what the single-device model computes;
 ``plan(model, meta_inputs, mesh_shape=...)`` runs the same search with no devices.
 """
 
+from ._torchvision_compat import install as _install_torchvision_compat  # isort: skip
+
+_install_torchvision_compat()  # first: lets a CUDA torchvision wheel import on CPU torch (see the module)
+
 from .api import autoparallelize, coverage, plan
 from .codegen import ParallelModule
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,

@@ -1,3 +1,7 @@
+from autoparallel._torchvision_compat import install as _install_torchvision_compat
+
+_install_torchvision_compat()  # before any test imports torchvision, timm or transformers models
+
 import os
 import warnings
 
