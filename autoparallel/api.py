@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
+import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 from . import cache
 from .codegen import ParallelModule
+from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec
 from .passes import apply_plan
 from .passes.checkpoint import apply_checkpointing
+from .passes.dropout import shard_random_ops
 from .solver.remat import region_from_json
-from .placement import R
+from .placement import R, Spec, spec_str, spec_to_json
 from .plan import Plan
 from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, parse_bytes
@@ -29,20 +35,32 @@ log = logging.getLogger("autoparallel")
 
 
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
-                 share_blocks, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu"):
+                 share_blocks, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
+                 pinned: dict[str, Spec] | None = None):
+    """Plan a traced model. ``pinned`` (parameter/buffer name → spec, as in
+    ``Plan.param_placements``) keeps each parameter's and buffer's ``get_attr`` node at that
+    spec; raises AutoParallelError when one is missing or has no such strategy."""
     cost_model = cost_model or CostModel()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks,
                "memory_budget": budget, "optimizer": optimizer, "device": device}
+    if pinned is not None:
+        options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
     folder = cache.cache_path(cache_dir)
     key = cache.plan_key(traced, mesh, cost_model, options) if folder is not None else ""
     hit = cache.load(folder, key)
     if hit is not None:
         hit.solver_stats["cache"] = "hit"
+        hit.solver_stats["stamped_layers"] = traced.stamped_layers  # the graph is the same either way
         return hit
     t0 = time.perf_counter()
     gen = StrategyGenerator(mesh.shape, strict=strict)
     strategies = gen.generate(traced.gm)
+    repl = (R,) * mesh.ndim
+    written = set(traced.buffer_mutations.values())  # buffers written back whole after each forward
+    for node in strategies:
+        if node.op == "get_attr" and node.target in written:
+            strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
     if parallelism == "data":
         repl = (R,) * mesh.ndim
         for node in strategies:
@@ -50,6 +68,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                 strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
     elif parallelism != "auto":
         raise ValueError(f"parallelism must be 'auto' or 'data', not {parallelism!r}")
+    if pinned is not None:
+        _pin(strategies, traced, pinned, mesh.ndim)
     t1 = time.perf_counter()
     log.info("strategies: %d nodes, %d strategies (%.2f s)", len(strategies),
              sum(len(v) for v in strategies.values()), t1 - t0)
@@ -68,17 +88,39 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
              plan.estimate["step_time_s"])
     plan.solver_stats["strategies_s"] = t1 - t0
     plan.solver_stats["memory_s"] = t_memory
+    plan.solver_stats["stamped_layers"] = traced.stamped_layers
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
     cache.store(folder, key, plan)
     return plan
 
 
+def _pin(strategies, traced, pinned: dict[str, Spec], mesh_ndim: int) -> None:
+    """Keep only the strategies of each parameter/buffer ``get_attr`` node whose output spec is
+    its pinned one (the strategy output and ``Plan.param_placements`` are the same spec tuple)."""
+    state = set(traced.params) | set(traced.buffers)
+    for node in strategies:
+        if node.op != "get_attr" or node.target not in state:
+            continue
+        kind = "parameter" if node.target in traced.params else "buffer"
+        want = pinned.get(node.target)
+        if want is None:
+            raise AutoParallelError(f"{kind} {node.target} has no placement to keep: it is not in the first plan "
+                                    "(the new capture reads state the first one did not)")
+        kept = [s for s in strategies[node] if tuple(s.outputs[0]) == tuple(want)]
+        if not kept:
+            shape = tuple(node.meta["val"].shape)
+            have = sorted({spec_str(s.outputs[0], len(shape)) for s in strategies[node]})
+            raise AutoParallelError(f"{kind} {node.target} {shape} cannot keep its placement "
+                                    f"{spec_str(want, len(shape))} in the new plan: its strategies are {have}")
+        strategies[node] = kept
+
+
 def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | None = None,
          cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
          time_limit: float = 60.0, parallelism: str = "auto", share_blocks: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
-         device: str = "cpu") -> Plan:
+         device: str = "cpu", stamp_layers: bool = True) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -104,6 +146,9 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
             how many state tensors per parameter the memory model counts.
         device: device type the module will run on; selects the kernels whose saved
             tensors the memory model measures (e.g. SDPA's).
+        stamp_layers: capture a deep stack of identical layers by tracing four of them and
+            copying the rest (:mod:`autoparallel.tracer.stamp`: guarded, falls back to a full
+            capture); ``False`` traces every layer.
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
@@ -119,7 +164,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
             raise ValueError("plan() needs mesh_shape=(...) or mesh=MeshSpec(...)")
         mesh = MeshSpec(tuple(mesh_shape))
     t0 = time.perf_counter()
-    traced = ColoTracer().trace(model, meta_inputs)
+    traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
     t_trace = time.perf_counter() - t0
     log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes), t_trace)
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
@@ -129,14 +174,14 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     return p
 
 
-def coverage(model: nn.Module, meta_inputs) -> CoverageReport:
+def coverage(model: nn.Module, meta_inputs, *, stamp_layers: bool = True) -> CoverageReport:
     """Every ATen op of ``model``'s captured graph, with where its strategies come from (own
     rule, replicated by rule, replicate fallback) and the module paths that use it.
 
     Raises:
         CaptureError: when torch.export cannot capture the model.
     """
-    return coverage_of(ColoTracer().trace(model, meta_inputs).gm)
+    return coverage_of(ColoTracer(stamp=stamp_layers).trace(model, meta_inputs).gm)
 
 
 def _is_simulated() -> bool:
@@ -147,7 +192,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     strict: bool = False, solver: str = "cbc", time_limit: float = 60.0,
                     parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
                     cache_dir=None, memory_budget: int | str | None = None,
-                    optimizer: str = DEFAULT_OPTIMIZER) -> ParallelModule:
+                    optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
+                    replan: bool = False) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -161,14 +207,24 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         solver / time_limit: the ILP solver and its limit in seconds.
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
-        share_blocks / cache_dir / memory_budget / optimizer: see :func:`plan`.
+        share_blocks / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
+        replan: when a call's tensor inputs have other shapes or dtypes than ``meta_inputs``
+            (same structure and keywords; e.g. the smaller last batch of an epoch), capture and
+            plan the model again for them, with every parameter and buffer pinned to the
+            placement the module holds, and cache the new graph by input shapes; ``False``
+            (default) raises InputMismatchError instead. Costs one capture and one ILP solve
+            per new shape (seconds), on the call that first sees it, on every rank (the plan
+            is solved on rank 0 and broadcast), and keeps a meta-device copy of the model
+            (no weights, Python objects only) for capturing.
 
     Returns:
         a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
 
     Raises:
         MeshMismatchError: the mesh does not span the whole process group.
-        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`.
+        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`
+            (with ``replan=True``, also from a call with new input shapes; AutoParallelError
+            there when the new capture reads other parameters than the first).
     """
     if not dist.is_initialized():
         raise MeshMismatchError("autoparallelize needs an initialized process group (torchrun / "
@@ -188,38 +244,122 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
                                 f"{tuple(device_mesh.mesh.shape)}")
+    options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
+                   parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         t0 = time.perf_counter()
-        traced = ColoTracer().trace(model, meta_inputs)
+        traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
         log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
                  time.perf_counter() - t0)
-        if world == 1 or _is_simulated() or dist.get_rank() == 0:
-            p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                             time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks,
-                             cache_dir=cache_dir, memory_budget=memory_budget, optimizer=optimizer,
-                             device=device_mesh.device_type)
-            payload = [p.to_json()]
-        else:
-            payload = [None]
+        p = _plan_on_rank0(traced, mesh, options)
+    pmodel = emit(model, traced, p, device_mesh)
+    if replan:
+        with maybe_disable_local_tensor_mode():
+            pmodel.__dict__["_replanner"] = _Replanner(model, traced, mesh, device_mesh, options,
+                                                       stamp_layers=stamp_layers,
+                                                       keywords=isinstance(meta_inputs, dict))
+    return pmodel
+
+
+def _plan_on_rank0(traced, mesh: MeshSpec, options: dict, pinned=None) -> Plan:
+    """Plan on rank 0 and broadcast it (every rank when there is one, or all are simulated
+    in this process). Call with local tensor mode off."""
+    world = dist.get_world_size()
+    if world == 1 or _is_simulated() or dist.get_rank() == 0:
+        p = _plan_traced(traced, mesh, pinned=pinned, **options)
+        payload = [p.to_json()]
+    else:
+        payload = [None]
     if world > 1 and not _is_simulated():
         dist.broadcast_object_list(payload, src=0)
         p = Plan.from_json(payload[0])
-    return emit(model, traced, p, device_mesh)
+    return p
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and
+    dtypes (parameters stay ``nn.Parameter`` with the same ``requires_grad``; tied tensors
+    share one copy): enough to capture it again, and no weight is copied or kept alive."""
+    memo: dict[int, object] = {}
+    state = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for _, t in state:
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # an attribute deepcopy cannot copy (a lock, a process group, ...)
+        raise AutoParallelError(f"replan=True keeps a meta-device copy of {type(model).__name__} to capture it "
+                                f"again, but copy.deepcopy failed: {type(e).__name__}: {e}; make the model's "
+                                "attributes copyable, or call autoparallelize again for each input shape") from e
+
+
+class _Replanner:
+    """Re-plans a :class:`ParallelModule` for input shapes it has no graph for
+    (``autoparallelize(..., replan=True)``): capture of a meta skeleton of the model, plan with
+    every parameter and buffer pinned to its placement, a new per-device graph over the same
+    parameters. Holds no reference to the model or its weights."""
+
+    def __init__(self, model: nn.Module, traced, mesh: MeshSpec, device_mesh, options: dict, *,
+                 stamp_layers: bool, keywords: bool):
+        self.skeleton = meta_skeleton(model)
+        self.state = (sorted(traced.params), sorted(traced.buffers))
+        self.mesh, self.device_mesh, self.options = mesh, device_mesh, options
+        self.stamp_layers, self.keywords = stamp_layers, keywords
+        self.grad_enabled = torch.is_grad_enabled()  # capture in the mode the first capture saw
+        self.captures = 0
+
+    def __call__(self, pmodel: ParallelModule, args, kwargs) -> Variant:
+        """Plan and add the graph for inputs ``(args, kwargs)`` (structure already checked)."""
+        t0 = time.perf_counter()
+        with maybe_disable_local_tensor_mode(), torch.set_grad_enabled(self.grad_enabled):
+            meta = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(tuple(t.shape), dtype=t.dtype,
+                                                                            device="meta"),
+                                        dict(kwargs) if self.keywords else tuple(args))
+            traced = ColoTracer(stamp=self.stamp_layers).trace(self.skeleton, meta)
+            self.captures += 1
+            state = (sorted(traced.params), sorted(traced.buffers))
+            if state != self.state:
+                new = sorted(set(state[0] + state[1]) ^ set(self.state[0] + self.state[1]))
+                raise AutoParallelError(f"re-planning for input shapes {[s for s, _ in traced.input_meta]}: the "
+                                        f"new capture reads other parameters/buffers than the first one "
+                                        f"(differing: {new[:5]}); plan these shapes with autoparallelize instead")
+            p = _plan_on_rank0(traced, self.mesh, self.options, pinned=pmodel.plan.param_placements)
+        variant = _add_variant(pmodel, traced, p, self.device_mesh)
+        log.info("re-planned for input shapes %s (%.2f s; %d graphs cached)",
+                 [tuple(s) for s, _ in variant.input_meta], time.perf_counter() - t0, len(pmodel.plans))
+        return variant
+
+
+def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModule:
+    """The per-device graph of ``plan`` for ``traced`` as a GraphModule over ``root`` (a module
+    or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
+    :func:`apply_plan`, per-shard random ops, activation checkpointing."""
+    groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
+    targets = set(traced.params) | set(traced.buffers)
+    graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
+                       traced_on=traced.device)
+    shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
+    gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
+    if plan.checkpoint:
+        stages = plan.checkpoint["stages"]
+        stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
+        apply_checkpointing(gm, stage_of, [region_from_json(r) for r in plan.checkpoint["regions"]])
+    return gm
+
+
+def _add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=None) -> Variant:
+    gm = _device_graph_module(traced, plan, device_mesh, pmodel.graph_root(traced.constants) if root is None else root)
+    return pmodel.add_variant(gm, plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
+                              input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
 
 
 def emit(model: nn.Module, traced, plan: Plan, device_mesh) -> ParallelModule:
     """Apply ``plan`` to the traced graph of ``model`` and build the ParallelModule (the last
     two stages of :func:`autoparallelize`; also used to run hand-picked plans)."""
-    groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
-    targets = set(traced.params) | set(traced.buffers)
-    graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
-                       traced_on=traced.device)
-    pmodel = ParallelModule(model, graph, plan, device_mesh, in_spec=traced.in_spec, out_spec=traced.out_spec,
-                            input_meta=traced.input_meta, param_names=traced.params,
-                            buffer_names=traced.buffers, constants=traced.constants)
-    if plan.checkpoint:
-        stages = plan.checkpoint["stages"]
-        gm = pmodel.graph_module
-        stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
-        apply_checkpointing(gm, stage_of, [region_from_json(r) for r in plan.checkpoint["regions"]])
+    pmodel = ParallelModule(model, None, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
+                            constants=traced.constants)
+    _add_variant(pmodel, traced, plan, device_mesh, root=pmodel)  # the first graph reads the module itself
     return pmodel

@@ -1,4 +1,5 @@
-"""Small models for the tests: a plain MLP and Hugging Face GPT-2, LLaMA and BERT from configs."""
+"""Small models for the tests: a plain MLP and CNN, Hugging Face architectures from configs and
+timm's ViT and ResNet-18, all with random weights."""
 
 import torch
 
@@ -112,8 +113,53 @@ FAMILIES = {  # more architectures sharing the building blocks above, tiny, drop
 ENCODERS = {"bert", "roberta", "distilbert"}
 
 
+class WithLoss(torch.nn.Module):
+    """A classifier and its cross-entropy loss in one forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.model(x), y)
+
+
+def _timm_vit():
+    """timm's ViT-Tiny reduced: 32×32 images in 8×8 patches (16 tokens and the CLS token), 2
+    blocks of width 64 with 4 heads, every dropout off."""
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             embed_dim=64, num_heads=4, num_classes=10, drop_rate=0.0, pos_drop_rate=0.0,
+                             patch_drop_rate=0.0, proj_drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0)
+
+
+def _timm_resnet18():
+    """timm's ResNet-18 as it is (11.2 M parameters, BatchNorm in training mode)."""
+    import timm
+
+    return timm.create_model("resnet18", pretrained=False, num_classes=10)
+
+
+TIMM = {"timm_vit": _timm_vit, "timm_resnet18": _timm_resnet18}  # inputs (x: N×3×32×32, y: N)
+
+
+def build_model(name):
+    """The model ``name`` of this file in training mode, weights from seed 0."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP()
+    if name == "cnn":
+        return CNN()
+    if name in TIMM:
+        return WithLoss(TIMM[name]()).train()
+    return hf_model(name).train()
+
+
 def batch_for(name, seed, batch=8, seq=16):
     g = torch.Generator().manual_seed(seed)
+    if name in TIMM:
+        return {"x": torch.randn(batch, 3, 32, 32, generator=g), "y": torch.randint(0, 10, (batch,), generator=g)}
     if name == "gpt2_uneven":
         batch, seq = 6, 15
     if name == "cnn":

@@ -7,7 +7,8 @@ import torch
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel
-from models import CNN, MLP, ShardParams, batch_for, hf_model, to_meta
+from models import ShardParams, batch_for, to_meta
+from models import build_model as build
 
 MESHES = [(2,), (4,), (2, 2)]
 
@@ -30,17 +31,12 @@ def loss_of(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def build(name):
-    torch.manual_seed(0)
-    return MLP() if name == "mlp" else CNN() if name == "cnn" else hf_model(name).train()
-
-
-def run_parity(name, mesh_shape, cost, sim_mesh, steps=4):
-    """Train ``name`` on a simulated mesh and on one device side by side: the loss and every
-    parameter gradient must agree on every rank at each of ``steps`` checks, with an SGD step
-    between checks. Returns the parallel module."""
+def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None):
+    """Train ``name`` (or ``ref``, a model with ``name``'s inputs) on a simulated mesh and on one
+    device side by side: the loss and every parameter gradient must agree on every rank at each
+    of ``steps`` checks, with an SGD step between checks. Returns the parallel module."""
     mesh = sim_mesh(mesh_shape)
-    ref = build(name)
+    ref = build(name) if ref is None else ref
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(mesh.size()))

@@ -19,12 +19,12 @@ from autoparallel.strategies.coverage import coverage_of
 from autoparallel.strategies.rules import REPLICATE_ONLY, RULES
 from autoparallel.strategies.torch_registry import registry_strategies
 from autoparallel.tracer import ColoTracer
-from models import CNN, MLP, batch_for, hf_model, to_meta
+from models import FAMILIES, TIMM, batch_for, build_model, to_meta
 from test_rules import _bool, _check_all_strategies, _int
 
 aten = torch.ops.aten
 MESHES = [(4,), (2, 2)]
-ZOO = ["mlp", "cnn", "gpt2", "llama", "bert", "t5"]
+ZOO = ["mlp", "cnn", "gpt2", "llama", "bert", "t5"] + sorted(FAMILIES) + sorted(TIMM)
 
 # ops of the zoo that DTensor registers with split strategies (ours or not)
 KNOWN_REGISTERED = {aten.addmm.default, aten.add.Tensor, aten.gelu.default, aten.mul.Tensor,
@@ -40,10 +40,11 @@ def _split(strategies, mesh_shape):
 @pytest.fixture(scope="module")
 def zoo_graphs():
     pytest.importorskip("transformers")
+    pytest.importorskip("timm")
     graphs = {}
     for name in ZOO:
         with torch.device("meta"):
-            model = MLP() if name == "mlp" else CNN() if name == "cnn" else hf_model(name)
+            model = build_model(name)
         graphs[name] = ColoTracer().trace(model, to_meta(batch_for(name, 0))).gm
     return graphs
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import logging
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from ..errors import CaptureError
 from ..fqn import set_attr
 from .annotate import annotate_graph
+from .batchnorm import decompose_batch_norm
+from .mutations import functionalize_state
+from .stamp import find_stack, stamp, truncated
+
+log = logging.getLogger("autoparallel")
 
 _HOP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 _DROP = {torch.ops.aten._assert_tensor_metadata.default}
@@ -47,6 +53,12 @@ class TracedModel:
         input_meta: ``(shape, dtype)`` of each flattened user input.
         device: device type the model was captured on (``device=`` arguments in the graph
             name it; codegen moves them to the run device).
+        buffer_mutations: flat output index → buffer target, for the outputs capture
+            appends after the user's: the value of a buffer the forward updates in place
+            (BatchNorm's running statistics), to be written back after each forward
+            (:mod:`autoparallel.tracer.mutations`).
+        stamped_layers: layers whose nodes were copied from a traced layer instead of
+            being captured (:mod:`autoparallel.tracer.stamp`); 0 for a full capture.
     """
 
     gm: fx.GraphModule
@@ -58,6 +70,8 @@ class TracedModel:
     input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     device: str = "meta"
+    buffer_mutations: dict[int, str] = field(default_factory=dict)
+    stamped_layers: int = 0
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -128,12 +142,40 @@ class ColoTracer:
     in it may be meta tensors, FakeTensors or real tensors (only shape and dtype are used).
     Each node gets ``node.meta["autoparallel"]``, a :class:`~autoparallel.tracer.NodeInfo`.
 
+    With ``stamp=True`` (default) a deep stack of identical layers is captured by tracing
+    four of them and copying the rest (:mod:`autoparallel.tracer.stamp`), which keeps
+    capture time nearly flat in depth; ``stamp=False`` traces every layer.
+
     Raises:
         CaptureError: export failed; the message carries export's reason and the first
             source line outside torch that the failure went through.
     """
 
+    def __init__(self, stamp: bool = True):
+        self.stamp = stamp
+
     def trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
+        stack = find_stack(model) if self.stamp else None
+        traced = None
+        if stack is not None:
+            try:
+                with truncated(stack):
+                    traced = self._capture(model, meta_inputs)
+            except CaptureError:
+                traced = None  # the cut-down model does not capture: the full capture decides
+            if traced is not None:
+                traced.stamped_layers = stamp(traced, stack)
+                if traced.stamped_layers:
+                    log.info("captured layers 0, 1, 2, %d of %s; stamped %d copies", len(stack.layers) - 1,
+                             stack.path, traced.stamped_layers)
+                else:
+                    traced = None
+        if traced is None:
+            traced = self._capture(model, meta_inputs)
+        annotate_graph(traced.gm)
+        return traced
+
+    def _capture(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
         device = _model_device(model)
         args, kwargs = _example_inputs(meta_inputs, device)
         names_by_id: dict[int, list[str]] = {}
@@ -161,10 +203,12 @@ class ColoTracer:
 
     def _from_exported(self, ep, names_by_id, by_name, requires_grad) -> TracedModel:
         sig = ep.graph_signature
-        if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
-            kinds = sorted({s.kind.name for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT})
-            raise CaptureError(f"the captured graph mutates state ({', '.join(kinds)}), e.g. BatchNorm running "
-                               "statistics in training mode; autoparallel does not shard such models yet")
+        bad = [f"{s.kind.name} of {s.target!r}" for s in sig.output_specs
+               if s.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)]
+        if bad:
+            raise CaptureError(f"the captured graph writes into state other than buffers ({', '.join(bad)}); "
+                               "autoparallel captures forwards that update only buffers in place. Clone inputs "
+                               "before changing them; change parameters outside the forward")
         src = ep.graph_module
         _inline_grad_regions(src)
         graph = fx.Graph()
@@ -174,6 +218,7 @@ class ColoTracer:
         in_kinds = {s.arg.name: s for s in sig.input_specs}
         input_meta = []
         seen: dict[int, str] = {}  # id of a parameter/buffer -> its graph target
+        state: dict[fx.Node, tuple[str, str]] = {}  # graph input -> (kind, name), for writes into it
         for node in src.graph.nodes:
             if node.op == "placeholder":
                 spec = in_kinds[node.name]
@@ -205,20 +250,41 @@ class ColoTracer:
                     raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({node.name})")
                 new.meta = dict(node.meta)
                 env[node] = new
+                kind = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+                        InputKind.CONSTANT_TENSOR: "constant"}.get(spec.kind, "input")
+                state[new] = (kind, new.target if new.op == "get_attr" and kind != "constant" else
+                              str(spec.target or node.name))
             elif node.op == "call_function" and node.target in _DROP:
                 continue
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 env[node] = new
+        buffer_mutations = _state_updates(graph, sig, state, lambda t: seen.get(by_name.get(t), t))
         graph.eliminate_dead_code()
         used = {n.target for n in graph.nodes if n.op == "get_attr"}
         params = {k: v for k, v in params.items() if k in used}
         buffers = {k: v for k, v in buffers.items() if k in used}
         gm = _LazyGraphModule(root, graph)
-        annotate_graph(gm)
         return TracedModel(gm=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
                            params=params, buffers=buffers, constants=constants, input_meta=input_meta,
-                           requires_grad={k: requires_grad.get(k, True) for k in params})
+                           requires_grad={k: requires_grad.get(k, True) for k in params},
+                           buffer_mutations=buffer_mutations)
+
+
+def _state_updates(graph: fx.Graph, sig, state, target_of) -> dict[int, str]:
+    """Batch norm into primitive ops (:mod:`.batchnorm`), then buffers written in place, or
+    declared ``BUFFER_MUTATION`` outputs, as extra graph outputs after the user's
+    (:mod:`.mutations`). Returns flat output index → buffer target."""
+    decompose_batch_norm(graph)
+    written = functionalize_state(graph, state)
+    out = graph.output_node()
+    leaves = list(out.args[0])
+    user = [x for s, x in zip(sig.output_specs, leaves) if s.kind == OutputKind.USER_OUTPUT]
+    updates = {target_of(s.target): x for s, x in zip(sig.output_specs, leaves)
+               if s.kind == OutputKind.BUFFER_MUTATION}
+    updates.update(written)
+    out.args = (tuple(user) + tuple(updates.values()),)
+    return {len(user) + i: t for i, t in enumerate(updates)}
 
 
 def _inline_grad_regions(gm: fx.GraphModule) -> None:
