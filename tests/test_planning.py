@@ -126,7 +126,11 @@ def test_known_optimal_megatron_mlp():
     got = [plan.param_placements[f"layers.{i}.weight"] for i in range(6)]
     assert got == [(S0,), (S1,)] * 3
     kinds = [c["kind"] for c in plan.collectives]
-    assert kinds == ["all_reduce"] * 3  # one per column/row pair
+    # one all-reduce per column/row pair, except the last: its pending sum is reduce-scattered
+    # over the batch (half the bytes of an all-reduce) into the batch-split loss, whose scalar
+    # is then all-reduced
+    assert kinds == ["all_reduce"] * 2 + ["reduce_scatter", "all_reduce"]
+    assert plan.collectives[-1]["bytes"] == 4
 
 
 def test_known_optimal_data_parallel_mlp():

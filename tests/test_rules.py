@@ -61,6 +61,10 @@ SAMPLES = {
     "cross_entropy_ignore": (lambda x, t: F.cross_entropy(x, t.masked_fill(t > 6, -100)), [(8, 10), _int(10, 8)]),
     "cross_entropy_sum": (lambda x, t: F.cross_entropy(x, t, reduction="sum"), [(8, 10), _int(10, 8)]),
     "cross_entropy_none": (lambda x, t: F.cross_entropy(x, t, reduction="none"), [(8, 10), _int(10, 8)]),
+    # captured as broadcast_tensors + mse_loss, decomposed into expand, sub, mul, mean/sum
+    "mse_loss_mean": (lambda x, y: F.mse_loss(x, y), [(8, 6), (8, 6)]),
+    "mse_loss_sum_broadcast": (lambda x, y: F.mse_loss(x, y, reduction="sum"), [(8, 6), (1, 6)]),
+    "mse_loss_none": (lambda x, y: F.mse_loss(x, y, reduction="none"), [(8, 6), (8, 6)]),
     "gather": (lambda x, i: torch.gather(x, 1, i), [(4, 8), _int(8, 4, 3)]),
     "index_select": (lambda x, i: x.index_select(1, i), [(4, 8, 6), _int(8, 3)]),
     "index": (lambda x, i: x[i], [(8, 4), _int(8, 4)]),

@@ -69,14 +69,33 @@ def test_user_cost_model_changes_the_plan():
     assert plan.collectives == []
 
 
+class HuberMLP(MLP):
+    """The MLP trained with a Huber loss: an op with no rule and no strategy in DTensor's registry."""
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return torch.nn.functional.huber_loss(x, y)
+
+
 def test_coverage_report_lists_every_op_and_its_source():
-    report = autoparallel.coverage(MLP(), to_meta(batch_for("mlp", 0)))
+    report = autoparallel.coverage(HuberMLP(), to_meta(batch_for("mlp", 0)))
     by_op = {r.op: r for r in report.rows}
     assert by_op["aten.linear.default"].source == "rule" and by_op["aten.linear.default"].nodes == 4
-    assert by_op["aten.mse_loss.default"].source == "replicate fallback"
+    assert by_op["aten.huber_loss.default"].source == "replicate fallback"
     assert report.rows[0].source == "replicate fallback"  # what needs attention comes first
     assert "layers.0" in by_op["aten.linear.default"].modules
-    assert report.counts()["replicate fallback"] == 2 and "ops:" in str(report)
+    assert report.counts()["replicate fallback"] == 1 and "ops:" in str(report)
+
+
+def test_mse_loss_is_decomposed_into_ops_with_rules():
+    """F.mse_loss captures as broadcast_tensors + mse_loss, neither with a split strategy: the
+    tracer rewrites them into expand, sub, mul and mean (autoparallel.tracer.decompose)."""
+    traced = ColoTracer().trace(MLP(), to_meta(batch_for("mlp", 0)))
+    targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {aten.mse_loss.default, aten.broadcast_tensors.default}
+    assert {aten.sub.Tensor, aten.mul.Tensor, aten.mean.default} <= targets
+    assert not autoparallel.coverage(MLP(), to_meta(batch_for("mlp", 0))).counts().get("replicate fallback")
 
 
 def test_cli_plan_and_coverage(tmp_path, capsys):

@@ -17,8 +17,9 @@ entries are read, as the propagator itself reads them (single-dim first):
 DTensor's decomposition-based propagation (ops with neither entry) is not used: it only
 explores placements reachable from the inputs' current ones, at one decomposition trace
 per combination of input placements. Composite ops that our capture keeps whole
-(``batch_norm``, ``group_norm``, ``einsum``, ``nll_loss_nd``, ``mse_loss``, ...) have no
-entry (DTensor registers what they decompose into) and stay on the replicate fallback.
+(``group_norm``, ``einsum``, ``nll_loss_nd``, ``huber_loss``, ...) have no entry (DTensor
+registers what they decompose into) and stay on the replicate fallback (capture rewrites
+``batch_norm``, ``mse_loss`` and ``broadcast_tensors`` into ops with rules).
 
 Only strategies that our codegen runs as DTensor would are kept: placements ``Shard(d)``
 (not ``_StridedShard``), ``Replicate()`` and ``Partial("sum")`` (exact types: not

@@ -30,6 +30,7 @@ from ..errors import CaptureError
 from ..fqn import set_attr
 from .annotate import annotate_graph
 from .batchnorm import decompose_batch_norm
+from .decompose import decompose_composites
 from .mutations import functionalize_state
 from .stamp import find_stack, stamp, truncated
 
@@ -259,6 +260,7 @@ class ColoTracer:
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 env[node] = new
+        decompose_composites(graph)
         buffer_mutations = _state_updates(graph, sig, state, lambda t: seen.get(by_name.get(t), t))
         graph.eliminate_dead_code()
         used = {n.target for n in graph.nodes if n.op == "get_attr"}

@@ -1,0 +1,71 @@
+"""Composite ops that capture keeps whole, rewritten into ops with exact sharding rules.
+
+``F.mse_loss`` captures as ``broadcast_tensors`` followed by ``aten.mse_loss``; neither has a
+rule of ours nor a split strategy in DTensor's registry, so both ran replicated: a model
+trained with a regression loss gathered its whole output on every device.
+:func:`decompose_composites` rewrites them, on the captured graph, into ops our rules split:
+
+* ``broadcast_tensors([a, b, ...])[i]`` → ``expand(a_i, shape)`` (a view; the expand rule
+  keeps broadcast dims whole on the input side);
+* ``mse_loss(x, y, reduction)`` → ``d = x - y``; ``d * d``, then ``mean`` (reduction 1, the
+  default), ``sum`` (2) or nothing (0): the definition of the loss, (x − y)² reduced, which is
+  how torch's kernel computes it. A split reduced dim leaves a
+  pending sum that the planner all-reduces where a consumer needs the whole loss.
+
+The values equal the fused op's up to rounding of the final reduction's order; autograd
+derives the backward (``2 · d · grad / n`` for mean) from the primitive ops.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .mutations import call_like
+
+aten = torch.ops.aten
+_REDUCE = {0: None, 1: aten.mean.default, 2: aten.sum.default}
+
+
+def decompose_composites(graph: fx.Graph) -> int:
+    """Rewrite every ``broadcast_tensors`` and ``mse_loss`` node of ``graph`` (module
+    docstring); returns how many were rewritten."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.broadcast_tensors.default:
+            count += _broadcast(graph, node)
+        elif node.target is aten.mse_loss.default:
+            count += _mse_loss(graph, node)
+    return count
+
+
+def _broadcast(graph: fx.Graph, node: fx.Node) -> bool:
+    inputs = node.args[0]
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            return False  # the list itself is used: keep the op (it runs replicated)
+    for user in list(node.users):
+        i = user.args[1]
+        with graph.inserting_before(user):
+            new = call_like(graph, user, aten.expand.default, inputs[i], list(user.meta["val"].shape))
+        user.replace_all_uses_with(new)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return True
+
+
+def _mse_loss(graph: fx.Graph, node: fx.Node) -> bool:
+    x, y = node.args[0], node.args[1]
+    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    with graph.inserting_before(node):
+        d = call_like(graph, node, aten.sub.Tensor, x, y)
+        out = call_like(graph, node, aten.mul.Tensor, d, d)
+        if _REDUCE[reduction] is not None:
+            out = call_like(graph, node, _REDUCE[reduction], out)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
