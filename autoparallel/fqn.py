@@ -14,9 +14,10 @@ def get_attr(root: nn.Module, fqn: str):
     return obj
 
 
-def set_attr(root: nn.Module, fqn: str, value: torch.Tensor) -> None:
+def set_attr(root: nn.Module, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
     """Register ``value`` at ``fqn``, creating empty container modules on the way; an
-    ``nn.Parameter`` is registered as a parameter, anything else as a buffer."""
+    ``nn.Parameter`` is registered as a parameter, anything else as a buffer (left out of
+    ``state_dict()`` when not ``persistent``)."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -26,4 +27,4 @@ def set_attr(root: nn.Module, fqn: str, value: torch.Tensor) -> None:
     if isinstance(value, nn.Parameter):
         mod.register_parameter(leaf, value)
     else:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=persistent)

@@ -84,11 +84,17 @@ def _grad_diffs(pmodel, ref_params: dict) -> list[str]:
     return out
 
 
-def _buffer_diffs(pmodel, ref_buffers: dict) -> list[str]:
-    """Every buffer (BatchNorm's running statistics) that differs from the single-device one
-    after the forward (``full_tensor`` is a collective: all ranks call it in the same order)."""
+def _buffer_diffs(pmodel, ref) -> list[str]:
+    """Every buffer of the model (BatchNorm's running statistics) that differs from the
+    single-device one after the forward (``full_tensor`` is a collective: all ranks call it in
+    the same order), and the state_dict keys, which must be the model's."""
+    ref_buffers = dict(ref.named_buffers())
     out = []
-    for name, b in pmodel.named_buffers():
+    buffers = dict(pmodel.named_buffers())
+    if set(pmodel.state_dict()) != set(ref.state_dict()):
+        out.append(f"state_dict keys differ: {sorted(set(pmodel.state_dict()) ^ set(ref.state_dict()))}")
+    for name in ref_buffers:
+        b = buffers[name]
         full = b.full_tensor() if isinstance(b, DTensor) else b
         if not torch.allclose(full.double(), ref_buffers[name].double(), rtol=RTOL, atol=ATOL):
             out.append(f"buffer {name}: max abs err {(full.double() - ref_buffers[name].double()).abs().max():.3g}")
@@ -137,7 +143,7 @@ def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
     ref_loss.backward()
     problems += _loss_diff("step 0", loss, ref_loss)
     problems += [f"step 0: {d}" for d in _grad_diffs(pmodel, ref_params)]
-    problems += [f"step 0: {d}" for d in _buffer_diffs(pmodel, dict(ref.named_buffers()))]
+    problems += [f"step 0: {d}" for d in _buffer_diffs(pmodel, ref)]
 
     torch.optim.SGD(pmodel.parameters(), lr=LR).step()
     torch.optim.SGD(ref.parameters(), lr=LR).step()
@@ -164,7 +170,7 @@ def _worker(rank: int, port: int, names: list[str], out_path: str) -> None:
             try:
                 problems = _run_family(name, rank, mesh, info)
             except Exception as e:
-                problems = [f"{type(e).__name__}: {e}".strip()[:2000]]
+                problems = [f"{type(e).__name__}: {e}".strip()[:2000] + "\n" + traceback.format_exc()[-1500:]]
             # one gather per family: every rank's findings, and the ranks kept in step
             gathered: list = [None] * WORLD
             dist.all_gather_object(gathered, {"rank": rank, "problems": problems, "info": info})

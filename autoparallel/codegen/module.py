@@ -118,8 +118,8 @@ class ParallelModule(nn.Module):
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
                 set_attr(self, name, value)
-        for target, value in constants.items():
-            set_attr(self, target, value.to(device))
+        for target, value in constants.items():  # lifted by capture: not the model's state
+            set_attr(self, target, value.to(device), persistent=False)
         self.__dict__["_coord"] = _mesh_coord(device_mesh)
         if graph is not None:  # else the caller adds the first variant (autoparallel.api.emit does)
             self.add_variant(fx.GraphModule(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
