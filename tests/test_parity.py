@@ -47,6 +47,7 @@ def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None):
     assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
+    assert set(pmodel.state_dict()) == set(ref.state_dict())  # non-persistent buffers stay out
     for step in range(steps):  # step 0, then again after each SGD step
         batch = batch_for(name, step)
         ref_opt.zero_grad()

@@ -109,6 +109,9 @@ class ParallelModule(nn.Module):
             t = get_attr(model, target)
             groups.setdefault(id(t), (t, []))
             target_of[id(t)] = target
+        # buffers registered with persistent=False (e.g. rotary inv_freq) stay out of state_dict()
+        transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
+                     for b in mod._non_persistent_buffers_set}
         repl = (Replicate(),) * device_mesh.ndim
         for tid, (orig, names) in groups.items():
             target = target_of.get(tid)
@@ -117,7 +120,7 @@ class ParallelModule(nn.Module):
             dt = DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
-                set_attr(self, name, value)
+                set_attr(self, name, value, persistent=name not in transient)
         for target, value in constants.items():  # lifted by capture: not the model's state
             set_attr(self, target, value.to(device), persistent=False)
         self.__dict__["_coord"] = _mesh_coord(device_mesh)
