@@ -42,8 +42,6 @@ pytest.importorskip("transformers")
 
 # every model of tests/models.py: the plain ones, the four of test_parity, FAMILIES, then timm's
 NAMES = ["mlp", "cnn", "gpt2", "llama", "bert", "t5"] + sorted(FAMILIES) + sorted(TIMM)
-# family -> reason: failures of the compiler (not of this test), kept as strict xfails
-KNOWN_FAILURES: dict[str, str] = {}
 LR = 0.1
 TIME_LIMIT = 5.0  # seconds for the ILP solver per family (these plans solve at the LP relaxation)
 PG_TIMEOUT = 90  # seconds: a rank stuck in a collective fails instead of hanging the run
@@ -204,14 +202,9 @@ def _report(name: str, result: dict) -> str:
     return "\n".join(f"{name}, rank {f['rank']}: {f['what']}" for f in result["failures"])
 
 
-def _params():
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[n]))
-            if n in KNOWN_FAILURES else n for n in NAMES]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)  # the first test pays for the spawn of every family
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", NAMES)
 def test_family_parity_4_gloo_ranks_2x2_mesh(name, family_results):
     result = family_results[name]
     assert not result["failures"], _report(name, result)
@@ -220,9 +213,9 @@ def test_family_parity_4_gloo_ranks_2x2_mesh(name, family_results):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_all_families(family_results):
-    """Every failure of every family at once (the known ones left out), and the collectives the
+    """Every failure of every family at once, and the collectives the
     families exercise together: all-gather, reduce-scatter and all-to-all through real c10d."""
-    unexpected = [_report(n, r) for n, r in family_results.items() if r["failures"] and n not in KNOWN_FAILURES]
+    unexpected = [_report(n, r) for n, r in family_results.items() if r["failures"]]
     assert not unexpected, "families differ from one device:\n" + "\n".join(unexpected)
     seen = set().union(*(r["info"].get("collectives", []) for r in family_results.values()))
     if set(family_results) == set(NAMES):
