@@ -31,13 +31,13 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import autoparallel  # noqa: E402  (before transformers' model classes: see README, torchvision)
 import transformers as T  # noqa: E402
 from torch.distributed._local_tensor import LocalTensorMode  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-import autoparallel  # noqa: E402
 
 
 def gpt2():

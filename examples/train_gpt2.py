@@ -42,9 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import autoparallel  # noqa: E402  (first: makes the installed torchvision importable, see README)
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-import autoparallel  # noqa: E402
 
 SEED = 0
 BATCH, SEQ = 8, 64          # global batch: 8 sequences of 64 byte tokens
