@@ -47,7 +47,7 @@ def test_gpt2_replans_smaller_batch_and_sequence(sim_mesh):
 
     check_step(pmodel, ref, small, ranks, "batch 4, seq 8")
     assert len(pmodel.plans) == 2 and pmodel.plan is first  # the planned shapes stay the first plan
-    new_plan = pmodel.plans[tuple(((4, 8), torch.int64) for _ in range(2))]
+    new_plan = pmodel.plans[True, tuple(((4, 8), torch.int64) for _ in range(2))]
     assert new_plan is not first and new_plan.param_placements == first.param_placements
     assert new_plan.nodes["input_ids"].out_shapes == [(4, 8)]
     assert {n: p for n, p in pmodel.named_parameters()} == params  # the same objects: nothing moved
@@ -57,7 +57,7 @@ def test_gpt2_replans_smaller_batch_and_sequence(sim_mesh):
     ref_opt.step()
     check_step(pmodel, ref, batch_for("gpt2", 2), ranks, "back at batch 8 after a step")
     check_step(pmodel, ref, batch_for("gpt2", 3, batch=4, seq=8), ranks, "batch 4 again")
-    assert len(pmodel.plans) == 2 and pmodel._replanner.captures == 1  # the cached graph was reused
+    assert len(pmodel.plans) == 2 and pmodel._recapture.captures == 1  # the cached graph was reused
 
 
 def test_without_replan_the_error_names_input_shapes_and_the_option(sim_mesh):
@@ -68,7 +68,7 @@ def test_without_replan_the_error_names_input_shapes_and_the_option(sim_mesh):
         with pytest.raises(autoparallel.InputMismatchError) as info:
             pmodel(x=batch["x"][:4], y=batch["y"][:4])
     msg = str(info.value)
-    assert "input ['x']" in msg and "(4, 256)" in msg and "(8, 256)" in msg and "replan=True" in msg
+    assert "argument x has shape (4, 256)" in msg and "(4, 256)" in msg and "(8, 256)" in msg and "replan=True" in msg
 
 
 def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
@@ -88,12 +88,12 @@ def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch_for("mlp", 0)), device_mesh=mesh,
                                               cost_model=ShardParams("cpu"), replan=True)
     assert len(captures) == 1
-    skeleton = pmodel._replanner.skeleton
+    skeleton = pmodel._recapture.skeleton
     assert all(t.device.type == "meta" for t in list(skeleton.parameters()) + list(skeleton.buffers()))
     for batch in (4, 4, 8, 2, 4, 8):
         check_step(pmodel, ref, batch_for("mlp", batch, batch=batch), ranks, f"batch {batch}")
     assert len(captures) == 3 and captures[1] is captures[2] is skeleton  # batches 4 and 2, once each
-    assert [sig[0][0] for sig in pmodel.plans] == [(8, 256), (4, 256), (2, 256)]
+    assert [sig[0][0] for _, sig in pmodel.plans] == [(8, 256), (4, 256), (2, 256)]
     for p in pmodel.plans.values():
         assert p.param_placements == pmodel.plan.param_placements
     with LocalTensorMode(ranks), pytest.raises(autoparallel.InputMismatchError, match="keyword arguments"):

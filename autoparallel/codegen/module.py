@@ -14,6 +14,7 @@ from ..errors import InputMismatchError
 from ..fqn import get_attr, set_attr
 from ..plan import Plan
 from ..runtime_kernels import per_rank
+from .batch_check import BatchCheck
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
@@ -31,13 +32,40 @@ def _mesh_coord(device_mesh) -> torch.Tensor:
     return torch.tensor(device_mesh.get_coordinate(), dtype=torch.int64, device=device_mesh.device_type)
 
 
-Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
-"""Per tensor input (flattened ``(args, kwargs)`` order), its global ``(shape, dtype)``."""
+Signature = tuple[tuple, ...]
+"""Per flattened input (pytree leaves of ``(args, kwargs)``), the global ``(shape, dtype)`` of a
+tensor or ``(None, value)`` of a non-tensor argument (``use_cache=False``, ``return_dict=True``)."""
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return ("repr", repr(value))
 
 
 def input_signature(input_meta) -> Signature:
     """The :data:`Signature` of a traced model's ``input_meta``."""
-    return tuple((tuple(shape) if shape is not None else None, dtype) for shape, dtype in input_meta)
+    return tuple((tuple(a), b) if a is not None else (None, _hashable(b)) for a, b in input_meta)
+
+
+def leaf_signature(leaves) -> Signature:
+    """The :data:`Signature` of the flattened inputs of a call."""
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, _hashable(x))
+                 for x in leaves)
+
+
+def _describe(entry) -> str:
+    shape, other = entry
+    return f"shape {shape} and dtype {other}" if shape is not None else f"value {other!r}"
+
+
+def _argument_name(path) -> str:
+    """``labels`` for a keyword argument, ``positional argument 0`` for a positional one."""
+    if path and getattr(path[0], "idx", None) == 1:
+        return pytree.keystr(path[1:]).strip("[]'\"")
+    return f"positional argument {pytree.keystr(path[1:])}"
 
 
 @dataclass
@@ -48,8 +76,9 @@ class Variant:
         graph_module: the per-device ``fx.GraphModule``, reading the module's parameters.
         plan: its :class:`~autoparallel.Plan`.
         in_spec / out_spec: pytree specs of ``(args, kwargs)`` and of the output.
-        input_meta: global ``(shape, dtype)`` of each flattened input.
+        input_meta: per flattened input, global ``(shape, dtype)`` or ``(None, value)``.
         buffer_mutations: flat output index → buffer the forward updates (written back).
+        training: the module mode the graph was captured in (dropout, BatchNorm).
     """
 
     graph_module: fx.GraphModule
@@ -58,6 +87,11 @@ class Variant:
     out_spec: pytree.TreeSpec
     input_meta: list
     buffer_mutations: dict[int, str]
+    training: bool = True
+
+    @property
+    def key(self) -> tuple[bool, Signature]:
+        return self.training, input_signature(self.input_meta)
 
 
 class ParallelModule(nn.Module):
@@ -65,39 +99,49 @@ class ParallelModule(nn.Module):
 
     Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh``, registered under
     the original model's names (tied parameters stay one object), so ``torch.optim``,
-    ``clip_grad_norm_`` and ``state_dict()`` work unchanged. Inputs are the global batch,
-    the same on every rank; outputs are whole (replicated) tensors in the model's output
-    structure (e.g. a Hugging Face ``ModelOutput``). Buffers the forward updates in place
-    (BatchNorm's running statistics) are graph outputs (``buffer_mutations``: flat output
-    index → buffer name), copied into the buffers' local tensors after every forward.
+    ``clip_grad_norm_`` and ``state_dict()`` work unchanged; ``load_state_dict`` also takes
+    a plain state dict (full tensors, e.g. the model's own or pretrained weights) and
+    shards it like the module's parameters (rank 0's values). Inputs are the global batch,
+    the same on every rank (checked, see ``check_batch_every``); outputs are whole
+    (replicated) tensors in the model's output structure (e.g. a Hugging Face
+    ``ModelOutput``). Buffers the forward updates in place (BatchNorm's running statistics)
+    are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
+    the buffers' local tensors after every forward.
 
-    With ``autoparallelize(..., replan=True)``, a call whose tensor inputs have other shapes
-    or dtypes than planned (same structure and keywords) captures and plans the model again
-    for them, every parameter pinned to the placement it has here, and caches the new graph
-    by input signature (:attr:`plans`); later calls with any of these shapes reuse it.
+    One graph per mode and input signature. ``train()`` / ``eval()`` behave as on the model:
+    the first call in a mode the module has no graph for captures the model again in that
+    mode (dropout off and BatchNorm on running statistics in eval) and plans it with every
+    parameter pinned where it is (seconds, once per mode and signature). Non-tensor
+    arguments (``use_cache=False``) are part of the signature: another value raises
+    InputMismatchError naming the argument, or is planned anew under ``replan=True``, like a
+    tensor input of a new shape or dtype (the smaller last batch of an epoch).
 
     Attributes:
-        plan: the :class:`~autoparallel.Plan` made for the planned input shapes.
+        plan: the :class:`~autoparallel.Plan` made for the planned inputs and mode.
         graph_module: the per-device ``fx.GraphModule`` of that plan;
             ``print(pmodel.graph_module.code)`` shows its collectives.
-        plans / graph_modules: input signature → plan / graph module, re-plans included.
+        plans / graph_modules: ``(training, input signature)`` → plan / graph module, every
+            mode and re-plan included.
 
     Raises (on call):
         InputMismatchError: inputs whose structure or keywords differ from the planned ones,
-            or (without ``replan=True``) whose shapes or dtypes do.
-        AutoParallelError (a subclass): when re-planning fails, e.g. CaptureError, or
-            InfeasiblePlanError under a memory budget the new shapes do not fit.
+            (without ``replan=True``) whose shapes, dtypes or non-tensor values do, or ranks
+            that pass different batches.
+        AutoParallelError (a subclass): when capturing or planning a new mode or signature
+            fails, e.g. CaptureError, or InfeasiblePlanError under a memory budget.
     """
 
     def __init__(self, model: nn.Module, graph: fx.Graph | None, plan: Plan, device_mesh, *, in_spec=None,
                  out_spec=None, input_meta=None, param_names: dict[str, list[str]],
                  buffer_names: dict[str, list[str]], constants: dict[str, torch.Tensor],
-                 buffer_mutations: dict[int, str] | None = None):
+                 buffer_mutations: dict[int, str] | None = None, check_batch_every: int = 100):
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
-        self.__dict__["_variants"] = {}  # input signature -> Variant; the first is the planned one
-        self.__dict__["_replanner"] = None  # set by autoparallelize(..., replan=True)
+        self.training = model.training
+        self.__dict__["_variants"] = {}  # (training, input signature) -> Variant; the first is the planned one
+        self.__dict__["_recapture"] = None  # set by autoparallelize: captures and plans a new mode or signature
+        self.__dict__["_batch_check"] = BatchCheck(device_mesh, check_batch_every)
         device = device_mesh.device_type
         # every parameter and buffer of the model, tied names grouped; the graph reads one name of each
         groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
@@ -116,13 +160,13 @@ class ParallelModule(nn.Module):
         for tid, (orig, names) in groups.items():
             target = target_of.get(tid)
             spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
-            dt = distribute_tensor(orig.detach().to(device), device_mesh, list(spec))
-            dt = DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
+            dt = _distribute(orig, device_mesh, spec)
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
                 set_attr(self, name, value, persistent=name not in transient)
         for target, value in constants.items():  # lifted by capture: not the model's state
             set_attr(self, target, value.to(device), persistent=False)
+        self._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
         self.__dict__["_coord"] = _mesh_coord(device_mesh)
         if graph is not None:  # else the caller adds the first variant (autoparallel.api.emit does)
             self.add_variant(fx.GraphModule(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
@@ -140,11 +184,11 @@ class ParallelModule(nn.Module):
         return root
 
     def add_variant(self, graph_module: fx.GraphModule, plan: Plan, *, in_spec, out_spec, input_meta,
-                    buffer_mutations: dict[int, str] | None = None) -> Variant:
-        """Register ``graph_module`` (made for ``plan``) to run inputs of ``input_meta``'s shapes
-        and dtypes. The first variant added is :attr:`plan` / :attr:`graph_module`; later ones
-        are re-plans for other input shapes (``autoparallelize(..., replan=True)``), over the same
-        parameter objects.
+                    buffer_mutations: dict[int, str] | None = None, training: bool | None = None) -> Variant:
+        """Register ``graph_module`` (made for ``plan``) to run inputs of ``input_meta``'s
+        signature in mode ``training`` (default: the module's mode now). The first variant
+        added is :attr:`plan` / :attr:`graph_module`; later ones are other modes and re-plans
+        for other inputs, over the same parameter objects.
 
         Raises:
             ValueError: a buffer the forward updates is not planned replicated, or the plan
@@ -162,24 +206,25 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"a re-planned graph must keep every parameter where the module holds it; "
                                  f"{moved[0]} is placed {plan.param_placements[moved[0]]}, not "
                                  f"{self.plan.param_placements[moved[0]]}")
-        variant = Variant(graph_module, plan, in_spec, out_spec, list(input_meta), mutations)
+        variant = Variant(graph_module, plan, in_spec, out_spec, list(input_meta), mutations,
+                          self.training if training is None else training)
         if not self._variants:
             self.plan = plan
             self.__dict__["graph_module"] = graph_module  # not a submodule: parameters listed once, by model names
             self._in_spec, self._out_spec, self._input_meta = in_spec, out_spec, variant.input_meta
-        self._variants[input_signature(variant.input_meta)] = variant
+        self._variants[variant.key] = variant
         return variant
 
     @property
-    def plans(self) -> dict[Signature, Plan]:
-        """Input signature (per tensor input, ``(shape, dtype)``) → the plan that runs it: the
-        planned shapes first, then every shape re-planned for (``replan=True``)."""
-        return {sig: v.plan for sig, v in self._variants.items()}
+    def plans(self) -> dict[tuple[bool, Signature], Plan]:
+        """``(training, input signature)`` → the plan that runs it: the planned inputs and
+        mode first, then every mode and signature planned since."""
+        return {key: v.plan for key, v in self._variants.items()}
 
     @property
-    def graph_modules(self) -> dict[Signature, fx.GraphModule]:
-        """Input signature → the per-device graph module that runs it (see :attr:`plans`)."""
-        return {sig: v.graph_module for sig, v in self._variants.items()}
+    def graph_modules(self) -> dict[tuple[bool, Signature], fx.GraphModule]:
+        """``(training, input signature)`` → the per-device graph module that runs it."""
+        return {key: v.graph_module for key, v in self._variants.items()}
 
     def _flat_inputs(self, args, kwargs) -> tuple[list, Variant]:
         expected_kw = self._in_spec.child(1).context if self._in_spec.num_children > 1 else []
@@ -187,31 +232,36 @@ class ParallelModule(nn.Module):
             raise InputMismatchError(f"keyword arguments {sorted(kwargs)} differ from the planned ones "
                                      f"{sorted(expected_kw or [])}")
         kwargs = {k: kwargs[k] for k in expected_kw}
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(f"input structure {spec} differs from the planned {self._in_spec}")
-        paths = [p for p, x in pytree.tree_flatten_with_path((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        if len(tensors) != len(self._input_meta):
-            raise InputMismatchError(f"{len(tensors)} tensor inputs given, {len(self._input_meta)} planned")
-        sig = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        variant = self._variants.get(sig)
+        flat = [x for _, x in with_paths]
+        sig = leaf_signature(flat)
+        variant = self._variants.get((self.training, sig))
         if variant is not None:
-            return tensors, variant
-        if self._replanner is not None:
-            return tensors, self._replanner(self, args, kwargs)
-        for path, t, (shape, dtype) in zip(paths, tensors, self._input_meta):
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                name = pytree.keystr(path[1:]) if path else "?"
+            return flat, variant
+        known = any(s == sig for _, s in self._variants)  # planned in the other mode: capture this one
+        if not known and not (self._recapture is not None and self._recapture.replan):
+            self._raise_mismatch([p for p, _ in with_paths], sig)
+        if self._recapture is None:
+            raise InputMismatchError(f"this module has no graph for {'training' if self.training else 'eval'} "
+                                     "mode and cannot capture one (it was not built by autoparallelize); call "
+                                     "autoparallelize with the model in this mode")
+        return flat, self._recapture(self, args, kwargs)
+
+    def _raise_mismatch(self, paths, sig: Signature):
+        for path, got, want in zip(paths, sig, input_signature(self._input_meta)):
+            if got != want:
                 raise InputMismatchError(
-                    f"input {name} has shape {tuple(t.shape)} and dtype {t.dtype}, but the plan was made for "
-                    f"shape {tuple(shape)} and dtype {dtype}; call autoparallelize again with meta_inputs "
-                    "of the new shape, or pass replan=True to autoparallelize to re-plan on each new shape")
-        raise InputMismatchError(f"inputs of shapes and dtypes {sig} have no plan")  # unreachable
+                    f"argument {_argument_name(path)} has {_describe(got)}, but the plan was made for "
+                    f"{_describe(want)}; call autoparallelize again with meta_inputs like these, or pass "
+                    "replan=True to autoparallelize to plan each new input signature on first use")
+        raise InputMismatchError(f"inputs {sig} have no plan")  # unreachable: sig differs somewhere
 
     def forward(self, *args, **kwargs):
-        tensors, variant = self._flat_inputs(args, kwargs)
-        outs = variant.graph_module(self._coord, *tensors)
+        flat, variant = self._flat_inputs(args, kwargs)
+        self._batch_check(flat)
+        outs = variant.graph_module(self._coord, *flat)
         if variant.buffer_mutations:
             with torch.no_grad():
                 for i, target in variant.buffer_mutations.items():
@@ -219,3 +269,25 @@ class ParallelModule(nn.Module):
                     (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(outs[i])
             outs = [o for i, o in enumerate(outs) if i not in variant.buffer_mutations]
         return pytree.tree_unflatten(list(outs), variant.out_spec)
+
+
+def _distribute(tensor: torch.Tensor, device_mesh, spec) -> DTensor:
+    """``tensor`` (rank 0's values) as a DTensor of placements ``spec``; under simulated ranks its
+    local shards are LocalTensors."""
+    dt = distribute_tensor(tensor.detach().to(device_mesh.device_type), device_mesh, list(spec))
+    return DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
+
+
+def _shard_plain_tensors(module: ParallelModule, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook: a plain tensor given for a DTensor parameter or buffer (a
+    single-device checkpoint, pretrained weights) becomes a DTensor of the same placements."""
+    own = dict(module.named_parameters(remove_duplicate=False))
+    own.update(module.named_buffers(remove_duplicate=False))
+    for key, value in list(state_dict.items()):
+        if not key.startswith(prefix):
+            continue
+        mine = own.get(key[len(prefix):])
+        if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(mine.shape):
+                continue  # load_state_dict reports the size mismatch with the key
+            state_dict[key] = _distribute(value.to(mine.dtype), mine.device_mesh, mine.placements)

@@ -51,7 +51,9 @@ class TracedModel:
             (several when tied), the first being the target itself.
         buffers: graph target → buffer names.
         constants: graph target → the constant's real value (lifted by export).
-        input_meta: ``(shape, dtype)`` of each flattened user input.
+        input_meta: per flattened user input (pytree leaves of ``(args, kwargs)``), the
+            ``(shape, dtype)`` of a tensor or ``(None, value)`` of a non-tensor (a bool, int,
+            string or None that the graph was specialized for).
         device: device type the model was captured on (``device=`` arguments in the graph
             name it; codegen moves them to the run device).
         buffer_mutations: flat output index → buffer target, for the outputs capture
@@ -68,7 +70,7 @@ class TracedModel:
     params: dict[str, list[str]]
     buffers: dict[str, list[str]]
     constants: dict[str, torch.Tensor]
-    input_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    input_meta: list[tuple] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     device: str = "meta"
     buffer_mutations: dict[int, str] = field(default_factory=dict)
@@ -246,7 +248,7 @@ class ColoTracer:
                     new = graph.get_attr(target)
                 elif spec.kind == InputKind.USER_INPUT:
                     new = graph.placeholder(node.name)
-                    input_meta.append((tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else (None, type(val)))
+                    input_meta.append((tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else (None, val))
                 else:
                     raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({node.name})")
                 new.meta = dict(node.meta)

@@ -1,0 +1,126 @@
+"""Tier 3: the module's behaviour through real c10d, 2 gloo ranks, one spawn for every check:
+an error raised while planning on rank 0 is raised on every rank, ranks that pass different
+batches are stopped on every rank, non-tensor call arguments, eval after training, loading a
+single-device state dict and getting full tensors back."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.out(self.drop(F.relu(self.fc(x)))), y)
+
+
+def _data(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _meta(tensors):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors)
+
+
+def _planning_error_on_every_rank(autoparallel, mesh, rank):
+    torch.manual_seed(0)
+    with pytest.raises(autoparallel.InfeasiblePlanError, match="budget") as info:
+        autoparallel.autoparallelize(_DropoutMLP(), _meta(_data(0)), device_mesh=mesh, memory_budget=1,
+                                     cache_dir=False)
+    assert "Connection" not in str(info.value), f"rank {rank}: {info.value}"
+
+
+def _different_batches_stopped(autoparallel, mesh, rank):
+    torch.manual_seed(0)
+    pmodel = autoparallel.autoparallelize(_DropoutMLP(), _meta(_data(0)), device_mesh=mesh, cache_dir=False)
+    with pytest.raises(autoparallel.InputMismatchError, match="different inputs"):
+        pmodel(*_data(rank))  # each rank its own batch, as with DistributedSampler
+    pmodel(*_data(5))  # the same batch everywhere is fine
+
+
+def _eval_state_dict_and_full_tensors(autoparallel, mesh, rank):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    torch.manual_seed(0)
+    ref = _DropoutMLP()
+    pmodel = autoparallel.autoparallelize(_DropoutMLP(), _meta(_data(0)), device_mesh=mesh,
+                                          cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
+    pmodel.load_state_dict(ref.state_dict())  # another initialization's weights, as plain tensors
+    pmodel.eval()
+    ref.eval()
+    x, y = _data(1)
+    torch.testing.assert_close(pmodel(x, y), ref(x, y), rtol=1e-5, atol=1e-6)
+    full = get_model_state_dict(pmodel, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        assert set(full) == set(ref.state_dict())
+        for k, v in ref.state_dict().items():
+            assert not isinstance(full[k], torch.distributed.tensor.DTensor)
+            torch.testing.assert_close(full[k], v)
+
+
+def _non_tensor_arguments(autoparallel, mesh, rank):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    meta = {"input_ids": torch.empty(4, 8, dtype=torch.long, device="meta"),
+            "labels": torch.empty(4, 8, dtype=torch.long, device="meta"), "use_cache": False, "return_dict": True}
+    pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, cache_dir=False)
+    got = pmodel(input_ids=ids, labels=ids, use_cache=False, return_dict=True).loss
+    want = ref(input_ids=ids, labels=ids, use_cache=False, return_dict=True).loss
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(autoparallel.InputMismatchError, match="argument use_cache has value True"):
+        pmodel(input_ids=ids, labels=ids, use_cache=True, return_dict=True)
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    import autoparallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for check in (_planning_error_on_every_rank, _different_batches_stopped, _eval_state_dict_and_full_tensors,
+                      _non_tensor_arguments):
+            check(autoparallel, mesh, rank)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_module_behaviour_2_gloo_ranks():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
