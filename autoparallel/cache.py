@@ -6,6 +6,11 @@ the planning options, and the versions of autoparallel and torch. The second
 ``autoparallelize``/``plan`` of the same model on the same mesh loads the plan instead of
 solving.
 
+A plan read from the cache is validated against the captured graph before it is used
+(:func:`autoparallel.validate.validate_plan`); a file that does not fit is ignored with a
+warning and replaced. Writing is best effort: a plan that cannot be stored is logged and
+used.
+
 Location: the ``cache_dir=`` argument, else the ``AUTOPARALLEL_CACHE_DIR`` environment
 variable, else ``~/.cache/autoparallel``; ``cache_dir=False`` turns caching off. A cost
 model is identified by :meth:`CostModel.key` (class and device preset): a subclass with
@@ -15,6 +20,7 @@ changing a cost model's code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,18 +29,29 @@ from pathlib import Path
 
 import torch
 
+from .errors import PlanMismatchError
+from .mesh import MeshSpec
 from .plan import Plan
+from .validate import validate_plan
 
 log = logging.getLogger(__name__)
 VERSION = "0.2.0"
 
 
 def cache_path(cache_dir) -> Path | None:
-    """The folder to use, or ``None`` when caching is off."""
+    """The folder to use, or ``None`` when caching is off (also when no home folder is known
+    for the default location: logged as a warning)."""
     if cache_dir is False:
         return None
     if cache_dir is None:
-        cache_dir = os.environ.get("AUTOPARALLEL_CACHE_DIR") or Path.home() / ".cache" / "autoparallel"
+        cache_dir = os.environ.get("AUTOPARALLEL_CACHE_DIR")
+        if not cache_dir:
+            try:
+                cache_dir = Path.home() / ".cache" / "autoparallel"
+            except RuntimeError as e:
+                log.warning("plan cache off: no home folder for ~/.cache/autoparallel (%s); set "
+                            "AUTOPARALLEL_CACHE_DIR or pass cache_dir=", e)
+                return None
     return Path(cache_dir)
 
 
@@ -53,27 +70,47 @@ def plan_key(traced, mesh, cost_model, options: dict) -> str:
     return h.hexdigest()
 
 
-def load(folder: Path | None, key: str) -> Plan | None:
-    """The cached plan for ``key``, or ``None``."""
+def load(folder: Path | None, key: str, traced, mesh: MeshSpec) -> Plan | None:
+    """The cached plan for ``key``, or ``None``: when there is none, and when the file cannot
+    be read, is not a plan, or does not fit ``traced`` on ``mesh``
+    (:func:`~autoparallel.validate.validate_plan`, and the same mesh, alpha and beta
+    included): such a file is stale, foreign or edited; it is ignored with a warning, and
+    the caller's new plan overwrites it."""
     if folder is None:
         return None
     path = folder / f"{key}.json"
-    if not path.exists():
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # nothing cached (or the folder is a file: store() says so)
+        return None
+    except (OSError, ValueError) as e:  # not a readable file (a folder, no permission), not text
+        log.warning("ignoring unreadable cached plan %s (%s); planning again", path, e)
         return None
     try:
-        plan = Plan.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError) as e:  # a corrupt or older file: solve again
-        log.warning("ignoring unreadable cached plan %s (%s)", path, e)
+        plan = Plan.from_json(text)
+        if plan.mesh != mesh:
+            raise PlanMismatchError(f"the plan is for mesh {plan.mesh}, not {mesh}")
+        validate_plan(plan, traced)
+    except (ValueError, PlanMismatchError) as e:
+        log.warning("ignoring cached plan %s, it does not fit this model and mesh (%s); planning again", path, e)
         return None
     log.info("loaded the plan from the cache: %s", path)
     return plan
 
 
 def store(folder: Path | None, key: str, plan: Plan) -> None:
-    """Write ``plan`` for ``key`` (atomically: a temporary file renamed into place)."""
+    """Write ``plan`` for ``key`` (atomically: a temporary file renamed into place). A failed
+    write (read-only or missing folder, a file in the folder's place, a full disk) is logged
+    as a warning and leaves the plan uncached."""
     if folder is None:
         return
-    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(plan.to_json())
-    os.replace(tmp, folder / f"{key}.json")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(plan.to_json())
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError as e:
+        log.warning("could not write the plan cache in %s (%s); the plan is used but not cached (pass "
+                    "cache_dir= a writable folder, or cache_dir=False)", folder, e)
+        with contextlib.suppress(OSError):  # where the folder is not one, there is no file to remove
+            tmp.unlink(missing_ok=True)

@@ -23,3 +23,9 @@ class InputMismatchError(AutoParallelError):
 
 class MeshMismatchError(AutoParallelError):
     """The device mesh does not match the process group or the plan."""
+
+
+class PlanMismatchError(AutoParallelError):
+    """A plan does not fit the graph it is applied to: made for another model, other input
+    shapes or another mesh, or edited. The message names the first mismatch (node, field,
+    what the graph needs and what the plan holds) and how to get a plan that fits."""

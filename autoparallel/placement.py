@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -86,19 +87,56 @@ def spec_to_json(spec: Spec) -> list[str]:
     return out
 
 
+_SHARD_TOKEN = re.compile(r"S(0|[1-9][0-9]*)")
+
+
 def spec_from_json(items: Sequence[str]) -> Spec:
-    """Inverse of :func:`spec_to_json`."""
+    """Inverse of :func:`spec_to_json`.
+
+    Raises:
+        ValueError: when ``items`` is not a list of ``"R"``, ``"P"`` or ``"S<d>"`` strings
+            (``d`` a tensor dim, written without sign or leading zeros).
+    """
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"a spec must be a list of placements such as ['S0', 'R'], not {items!r}")
+    if not all(isinstance(s, str) for s in items):
+        bad = next(s for s in items if not isinstance(s, str))
+        raise ValueError(f"bad placement {bad!r} in spec {list(items)}: expected 'R', 'P' or 'S<d>' "
+                         "with d a tensor dim >= 0")
+    return _parse_spec(tuple(items))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_spec(items: tuple[str, ...]) -> Spec:
     out = []
     for s in items:
         if s == "R":
             out.append(R)
         elif s == "P":
             out.append(P)
-        elif s.startswith("S"):
+        elif _SHARD_TOKEN.fullmatch(s):
             out.append(Shard(int(s[1:])))
         else:
-            raise ValueError(f"bad placement {s!r} in spec {list(items)}")
+            raise ValueError(f"bad placement {s!r} in spec {list(items)}: expected 'R', 'P' or 'S<d>' "
+                             "with d a tensor dim >= 0")
     return tuple(out)
+
+
+def spec_problem(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> str | None:
+    """Why ``spec`` cannot place a tensor of global ``shape`` on a mesh of ``mesh_shape``, or
+    ``None`` when it can: one placement per mesh axis, each ``Shard(d)`` with ``0 <= d <
+    len(shape)``, ``Replicate()`` or ``Partial()``, every split dim divided evenly."""
+    if len(spec) != len(mesh_shape):
+        return f"has {len(spec)} placements for a {len(mesh_shape)}-axis mesh"
+    for a, p in enumerate(spec):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < len(shape):
+                return f"splits dim {p.dim} of a {len(shape)}-dim tensor (mesh axis {a})"
+        elif not isinstance(p, (Replicate, Partial)):
+            return f"has {p!r} on mesh axis {a}, not Shard, Replicate or Partial"
+    if not is_valid(spec, shape, mesh_shape):
+        return f"splits a dim of shape {tuple(shape)} unevenly over mesh {tuple(mesh_shape)}"
+    return None
 
 
 def is_valid(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:

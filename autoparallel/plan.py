@@ -7,9 +7,11 @@ A plan is data: printable as a table, JSON round-trip exact, and identical on ev
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
+from torch.distributed.tensor import Shard
 
 from .mesh import MeshSpec
 from .placement import Spec, spec_from_json, spec_str, spec_to_json
@@ -53,13 +55,32 @@ class NodePlan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "NodePlan":
-        d = dict(d)
-        d["in_shapes"] = [tuple(s) for s in d["in_shapes"]]
-        d["out_shapes"] = [tuple(s) for s in d["out_shapes"]]
-        d["input_specs"] = [spec_from_json(s) for s in d["input_specs"]]
-        d["output_specs"] = [spec_from_json(s) for s in d["output_specs"]]
-        return cls(**d)
+    def from_json(cls, d: dict, where: str = "node") -> "NodePlan":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: a field missing, unknown or of the wrong type, a bad placement, a
+                spec that splits a dim the shape does not have, or specs and shapes of
+                different counts (``where`` names the node in the message).
+        """
+        _fields(d, _NODE_FIELDS, where)
+        where = f"{where} {d['name']!r}" if isinstance(d["name"], str) else where
+        for k in ("name", "op", "module_path"):
+            _check(isinstance(d[k], str), where, k, "a string", d[k])
+        _check(bool(d["name"]), where, "name", "a non-empty string", d["name"])
+        for k in ("compute_s", "comm_s"):
+            _check(_is_number(d[k]), where, k, "a number of seconds", d[k])
+        _check(_is_count(d["memory_bytes"]), where, "memory_bytes", "an int >= 0", d["memory_bytes"])
+        shapes = {k: _shapes(d[k], where, k) for k in ("in_shapes", "out_shapes")}
+        specs = {k: _specs(d[k], where, k) for k in ("input_specs", "output_specs")}
+        for sk, hk in (("input_specs", "in_shapes"), ("output_specs", "out_shapes")):
+            # a getitem of a non-tensor value has a spec but no shape
+            if len(specs[sk]) != len(shapes[hk]) and not (d["op"] == "getitem" and not shapes[hk]):
+                raise ValueError(f"{where}: {len(specs[sk])} {sk} for {len(shapes[hk])} {hk}")
+            for i, (spec, shape) in enumerate(zip(specs[sk], shapes[hk])):
+                _check_dims(spec, len(shape), where, f"{sk}[{i}]")
+        return cls(d["name"], d["op"], d["module_path"], shapes["in_shapes"], shapes["out_shapes"],
+                   specs["input_specs"], specs["output_specs"], d["compute_s"], d["comm_s"], d["memory_bytes"])
 
 
 @dataclass
@@ -80,9 +101,37 @@ class Conversion:
                 "shape": list(self.shape), "moves": [m.to_json() for m in self.moves], "cost_s": self.cost_s}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Conversion":
-        return cls(d["src"], d["src_index"], d["dst"], d["arg"], tuple(d["shape"]),
-                   [Move.from_json(m) for m in d["moves"]], d["cost_s"])
+    def from_json(cls, d: dict, where: str = "conversion") -> "Conversion":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: a field missing, unknown or of the wrong type, or a move that is not
+                ``[kind, mesh axis, src dim, dst dim, bytes]`` with a known kind and dims of
+                the tensor (``where`` names the conversion in the message).
+        """
+        _fields(d, _CONVERSION_FIELDS, where)
+        for k in ("src", "dst"):
+            _check(isinstance(d[k], str) and bool(d[k]), where, k, "a node name", d[k])
+        for k in ("src_index", "arg"):
+            _check(_is_count(d[k]), where, k, "an int >= 0", d[k])
+        _check(_is_number(d["cost_s"]), where, "cost_s", "a number of seconds", d["cost_s"])
+        shape = _shape(d["shape"], where, "shape")
+        _check(isinstance(d["moves"], list), where, "moves", "a list", d["moves"])
+        moves = []
+        for i, m in enumerate(d["moves"]):
+            at = f"{where}: moves[{i}]"
+            if not (isinstance(m, list) and len(m) == 5):
+                raise ValueError(f"{at} is {m!r}, expected [kind, mesh axis, src dim, dst dim, bytes]")
+            kind, axis, src_dim, dst_dim, nbytes = m
+            if kind not in MOVE_KINDS:
+                raise ValueError(f"{at}: kind {kind!r} is not one of {', '.join(MOVE_KINDS)}")
+            if not (_is_count(axis) and _is_count(nbytes)):
+                raise ValueError(f"{at}: mesh axis and bytes must be ints >= 0, got {axis!r} and {nbytes!r}")
+            for what, dim in (("src dim", src_dim), ("dst dim", dst_dim)):
+                if dim is not None and not (_is_count(dim) and dim < len(shape)):
+                    raise ValueError(f"{at}: {what} {dim!r} is not a dim of the {len(shape)}-dim tensor")
+            moves.append(Move(kind, axis, src_dim, dst_dim, nbytes))
+        return cls(d["src"], d["src_index"], d["dst"], d["arg"], shape, moves, d["cost_s"])
 
 
 @dataclass
@@ -165,12 +214,156 @@ class Plan:
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
-        d = json.loads(s)
-        nodes = [NodePlan.from_json(n) for n in d["nodes"]]
-        return cls(MeshSpec.from_json(d["mesh"]), {n.name: n for n in nodes},
-                   [Conversion.from_json(c) for c in d["conversions"]],
-                   {k: spec_from_json(v) for k, v in d["param_placements"].items()},
-                   d["estimate"], d["solver_stats"], d.get("checkpoint", {}))
+        """The plan written by :meth:`to_json`. Checks the structure only (fields, types,
+        placements, spec lengths against the mesh, dims against the shapes, moves, the
+        checkpoint region tree); :func:`autoparallel.validate.validate_plan` checks a plan
+        against a graph.
+
+        Raises:
+            ValueError: for text that is not a plan's JSON, naming the first bad field.
+        """
+        try:
+            d = json.loads(s)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a plan must be JSON text: {e}") from None
+        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint",))
+        _check(isinstance(d["mesh"], dict), "plan", "mesh", "an object", d["mesh"])
+        _fields(d["mesh"], ("shape", "axis_names", "alpha", "beta"), "mesh")
+        try:
+            mesh = MeshSpec.from_json(d["mesh"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"mesh: {e}") from None
+        for k in ("nodes", "conversions"):
+            _check(isinstance(d[k], list), "plan", k, "a list", d[k])
+        for k in ("param_placements", "estimate", "solver_stats"):
+            _check(isinstance(d[k], dict), "plan", k, "an object", d[k])
+        nodes: dict[str, NodePlan] = {}
+        for i, nd in enumerate(d["nodes"]):
+            n = NodePlan.from_json(nd, f"nodes[{i}]")
+            if n.name in nodes:
+                raise ValueError(f"nodes[{i}]: node {n.name!r} appears twice")
+            for k, specs in (("input_specs", n.input_specs), ("output_specs", n.output_specs)):
+                for j, spec in enumerate(specs):
+                    _check_len(spec, mesh, f"node {n.name!r}", f"{k}[{j}]")
+            nodes[n.name] = n
+        conversions = [Conversion.from_json(c, f"conversions[{i}]") for i, c in enumerate(d["conversions"])]
+        for i, c in enumerate(conversions):
+            for m in c.moves:
+                if m.axis >= mesh.ndim:
+                    raise ValueError(f"conversions[{i}]: a move along mesh axis {m.axis} of a {mesh.ndim}-axis mesh")
+        params = {}
+        for k, v in d["param_placements"].items():
+            params[k] = _spec(v, "param_placements", k)
+            _check_len(params[k], mesh, "param_placements", k)
+        for k in ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes"):  # printed by table()
+            if k in d["estimate"]:
+                _check(_is_number(d["estimate"][k]), "estimate", k, "a number", d["estimate"][k])
+        checkpoint = d.get("checkpoint", {})
+        _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
+        if checkpoint:
+            _check_checkpoint(checkpoint)
+        return cls(mesh, nodes, conversions, params, d["estimate"], d["solver_stats"], checkpoint)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
+
+
+MOVE_KINDS = ("all_gather", "all_to_all", "slice", "all_reduce", "reduce_scatter", "mask")
+"""The kinds of :class:`~autoparallel.solver.layout.Move` (see :mod:`autoparallel.solver.layout`)."""
+_NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_specs", "output_specs",
+                "compute_s", "comm_s", "memory_bytes")
+_CONVERSION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
+_PLAN_FIELDS = ("mesh", "nodes", "conversions", "param_placements", "estimate", "solver_stats", "checkpoint")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check(ok: bool, where: str, field_name: str, expected: str, found) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {field_name} must be {expected}, not {found!r}")
+
+
+def _fields(d, names, where: str, optional=()) -> None:
+    """``d`` is an object with exactly the fields ``names`` (those in ``optional`` may be absent)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a JSON object, not {d!r}")
+    missing = [k for k in names if k not in d and k not in optional]
+    unknown = sorted(set(d) - set(names))
+    problems = [f"missing field(s) {missing}"] if missing else []
+    problems += [f"unknown field(s) {unknown}"] if unknown else []
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+
+
+def _shape(v, where: str, field_name: str) -> tuple[int, ...]:
+    _check(isinstance(v, list) and all(_is_count(x) for x in v), where, field_name, "a list of ints >= 0", v)
+    return tuple(v)
+
+
+def _shapes(v, where: str, field_name: str) -> list[tuple[int, ...]]:
+    _check(isinstance(v, list), where, field_name, "a list of shapes", v)
+    return [_shape(x, where, f"{field_name}[{i}]") for i, x in enumerate(v)]
+
+
+def _spec(v, where: str, field_name: str) -> Spec:
+    try:
+        return spec_from_json(v)
+    except ValueError as e:
+        raise ValueError(f"{where}: {field_name}: {e}") from None
+
+
+def _specs(v, where: str, field_name: str) -> list[Spec]:
+    _check(isinstance(v, list), where, field_name, "a list of specs", v)
+    return [_spec(x, where, f"{field_name}[{i}]") for i, x in enumerate(v)]
+
+
+def _check_dims(spec: Spec, ndim: int, where: str, field_name: str) -> None:
+    for p in spec:
+        if isinstance(p, Shard) and p.dim >= ndim:
+            raise ValueError(f"{where}: {field_name} {spec_to_json(spec)} splits dim {p.dim} of a {ndim}-dim tensor")
+
+
+def _check_len(spec: Spec, mesh: MeshSpec, where: str, field_name: str) -> None:
+    if len(spec) != mesh.ndim:
+        raise ValueError(f"{where}: {field_name} {spec_to_json(spec)} has {len(spec)} placements, the mesh "
+                         f"{mesh.shape} has {mesh.ndim} axes")
+
+
+def _check_regions(regions, lo: int, hi: int, where: str) -> None:
+    """A list of ``{"start", "stop", "children"}`` stage ranges, ascending and disjoint, within
+    ``[lo, hi)``, children inside their parent."""
+    _check(isinstance(regions, list), "checkpoint", where, "a list of regions", regions)
+    prev = lo
+    for i, r in enumerate(regions):
+        at = f"{where}[{i}]"
+        _fields(r, ("start", "stop", "children"), f"checkpoint: {at}")
+        start, stop = r["start"], r["stop"]
+        if not (_is_count(start) and _is_count(stop) and prev <= start < stop <= hi):
+            raise ValueError(f"checkpoint: {at} covers stages [{start!r}, {stop!r}), expected ints with "
+                             f"{prev} <= start < stop <= {hi} (regions ascending, disjoint, inside their parent)")
+        _check_regions(r["children"], start, stop, f"{at}.children")
+        prev = stop
+
+
+def _check_checkpoint(cp: dict) -> None:
+    """The fields of ``Plan.checkpoint`` that apply_checkpointing and table() read."""
+    for k in ("stages", "regions", "table", "recompute_s"):
+        if k not in cp:
+            raise ValueError(f"checkpoint: missing field {k!r}")
+    stages = cp["stages"]
+    _check(isinstance(stages, dict) and bool(stages) and all(_is_count(v) for v in stages.values()),
+           "checkpoint", "stages", "an object of node name -> stage (int >= 0)", stages)
+    _check_regions(cp["regions"], 0, max(stages.values()) + 1, "regions")
+    _check(_is_number(cp["recompute_s"]), "checkpoint", "recompute_s", "a number of seconds", cp["recompute_s"])
+    _check(isinstance(cp["table"], list), "checkpoint", "table", "a list", cp["table"])
+    for i, row in enumerate(cp["table"]):
+        ok = isinstance(row, dict) and isinstance(row.get("stages"), str) and isinstance(row.get("modules"), str) \
+            and _is_count(row.get("nodes")) and _is_count(row.get("saved_bytes")) and _is_number(row.get("recompute_s"))
+        _check(ok, "checkpoint", f"table[{i}]", "an object with stages and modules (strings), nodes and "
+               "saved_bytes (ints >= 0) and recompute_s (seconds)", row)

@@ -21,6 +21,8 @@ Formulas:
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,10 @@ class DevicePreset:
         flops_half: dense bf16/fp16 FLOP/s.
         mem_bw: memory bandwidth in bytes/s.
         memory: device memory in bytes.
+
+    Raises:
+        TypeError: a name that is not a string or a rate that is not a number.
+        ValueError: a rate that is not positive and finite.
     """
 
     name: str
@@ -46,6 +52,16 @@ class DevicePreset:
     flops_half: float
     mem_bw: float
     memory: float
+
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"DevicePreset: name must be a string, not {self.name!r}")
+        for what in ("flops_fp32", "flops_half", "mem_bw", "memory"):
+            v = getattr(self, what)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"DevicePreset: {what} must be positive and finite, got {v!r}")
 
 
 # Vendor datasheet peaks (dense, no sparsity).
@@ -64,6 +80,10 @@ class CostModel:
     Args:
         device: a preset name from :data:`PRESETS` or a :class:`DevicePreset`.
 
+    Raises:
+        TypeError: ``device`` is neither a string nor a :class:`DevicePreset`.
+        ValueError: an unknown preset name.
+
     The mesh (with its per-axis alpha and beta) is bound by the planner through
     :meth:`bind`; subclasses may override any method, e.g. :meth:`collective_time` with
     measured tables.
@@ -74,6 +94,9 @@ class CostModel:
             if device not in PRESETS:
                 raise ValueError(f"unknown device preset {device!r}; choose one of {sorted(PRESETS)}")
             device = PRESETS[device]
+        elif not isinstance(device, DevicePreset):
+            raise TypeError(f"CostModel: device must be a preset name ({', '.join(sorted(PRESETS))}) or a "
+                            f"DevicePreset, not {device!r}")
         self.device = device
         self.mesh: MeshSpec | None = None
 
