@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 import time
@@ -12,12 +13,13 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed.tensor import DTensor
 
-from . import cache
+from . import cache, errors
 from .codegen import ParallelModule
 from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
-from .mesh import MeshSpec
+from .mesh import MeshSpec, mesh_shape_tuple
 from .passes import apply_plan
 from .passes.checkpoint import apply_checkpointing
 from .passes.dropout import shard_random_ops
@@ -30,25 +32,34 @@ from .solver.planner import Planner
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
+from .validate import check_planning_arguments
 
 log = logging.getLogger("autoparallel")
 
 
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_blocks, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
-                 pinned: dict[str, Spec] | None = None):
+                 pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False):
     """Plan a traced model. ``pinned`` (parameter/buffer name → spec, as in
     ``Plan.param_placements``) keeps each parameter's and buffer's ``get_attr`` node at that
-    spec; raises AutoParallelError when one is missing or has no such strategy."""
+    spec; raises AutoParallelError when one is missing or has no such strategy.
+    ``replicate_buffers`` plans every buffer replicated, not only those the forward writes
+    (a model planned in eval mode: in training mode it may write them back whole)."""
     cost_model = cost_model or CostModel()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks,
-               "memory_budget": budget, "optimizer": optimizer, "device": device}
+               "memory_budget": budget, "optimizer": optimizer, "device": device,
+               "replicate_buffers": replicate_buffers}
     if pinned is not None:
         options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
     folder = cache.cache_path(cache_dir)
     key = cache.plan_key(traced, mesh, cost_model, options) if folder is not None else ""
-    hit = cache.load(folder, key)
+    hit = cache.load(folder, key, traced, mesh)  # validated against the graph: a stale or edited file is ignored
+    if hit is not None and pinned is not None and any(tuple(s) != tuple(pinned.get(k, s))
+                                                      for k, s in hit.param_placements.items()):
+        log.warning("ignoring the cached plan: it moves a parameter or buffer the module holds elsewhere; "
+                    "planning again")
+        hit = None
     if hit is not None:
         hit.solver_stats["cache"] = "hit"
         hit.solver_stats["stamped_layers"] = traced.stamped_layers  # the graph is the same either way
@@ -57,7 +68,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     gen = StrategyGenerator(mesh.shape, strict=strict)
     strategies = gen.generate(traced.gm)
     repl = (R,) * mesh.ndim
-    written = set(traced.buffer_mutations.values())  # buffers written back whole after each forward
+    # buffers written back whole after each forward (in the other mode too, with replicate_buffers)
+    written = set(traced.buffers) if replicate_buffers else set(traced.buffer_mutations.values())
     for node in strategies:
         if node.op == "get_attr" and node.target in written:
             strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
@@ -127,7 +139,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
         model: the model (real or meta-device weights).
         meta_inputs: dict of keyword arguments or tuple of positional ones, tensors on the
             meta device (or FakeTensors) with **global** shapes.
-        mesh_shape: devices per mesh axis, e.g. ``(2, 4)``; or give ``mesh``.
+        mesh_shape: devices per mesh axis, e.g. ``(2, 4)``, or an int for a 1-D mesh; or
+            give ``mesh`` (not both).
         mesh: a :class:`MeshSpec` (shape, axis names, alpha/beta).
         cost_model: a :class:`CostModel` (default: A100 preset).
         strict: error on ops without a sharding rule instead of replicating them.
@@ -157,12 +170,28 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     Raises:
         CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`
             (a budget no plan fits raises InfeasiblePlanError with the smallest reachable peak).
-        ValueError: an unreadable ``memory_budget`` or unknown ``optimizer``.
+        TypeError: an argument of the wrong type, e.g. ``mesh_shape`` not an int or a
+            sequence of ints (:func:`autoparallel.validate.check_planning_arguments`).
+        ValueError: neither or both of ``mesh_shape`` and ``mesh``, a mesh axis below 1, an
+            unreadable ``memory_budget``, an unknown ``solver``, ``parallelism`` or
+            ``optimizer``, a ``time_limit`` that is not positive.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not isinstance(meta_inputs, (dict, tuple, list)):
+        raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
+                        f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
+    if (mesh is None) == (mesh_shape is None):
+        raise ValueError("plan() needs one of mesh_shape=(...) and mesh=MeshSpec(...), "
+                         + ("not both" if mesh is not None else "got neither"))
     if mesh is None:
-        if mesh_shape is None:
-            raise ValueError("plan() needs mesh_shape=(...) or mesh=MeshSpec(...)")
-        mesh = MeshSpec(tuple(mesh_shape))
+        mesh = MeshSpec(mesh_shape_tuple(mesh_shape, "mesh_shape"))
+    elif not isinstance(mesh, MeshSpec):
+        raise TypeError(f"mesh must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
+    check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
+                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                             memory_budget=memory_budget, optimizer=optimizer, device=device,
+                             stamp_layers=stamp_layers)
     t0 = time.perf_counter()
     traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
     t_trace = time.perf_counter() - t0
@@ -193,38 +222,46 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
                     cache_dir=None, memory_budget: int | str | None = None,
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
-                    replan: bool = False) -> ParallelModule:
+                    replan: bool = False, check_batch_every: int = 100) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
         model: the model with its real weights (every rank may hold any values: rank 0's
-            are distributed).
+            are distributed). The returned module takes the weights over (it holds sharded
+            copies; the model's own tensors are not updated by training it).
         meta_inputs: dict of keyword arguments or tuple of positional ones: meta tensors
-            or FakeTensors with the **global** batch shapes.
-        device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` spanning the world.
+            or FakeTensors with the **global** batch shapes, and the non-tensor arguments
+            the module will be called with (``use_cache=False``), whose values are planned for.
+        device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` spanning the world, its
+            ranks in any order along each axis.
         cost_model: a :class:`CostModel` (default: A100 preset).
         strict: error on ops without a sharding rule instead of replicating them.
         solver / time_limit: the ILP solver and its limit in seconds.
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
         share_blocks / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
-        replan: when a call's tensor inputs have other shapes or dtypes than ``meta_inputs``
-            (same structure and keywords; e.g. the smaller last batch of an epoch), capture and
-            plan the model again for them, with every parameter and buffer pinned to the
-            placement the module holds, and cache the new graph by input shapes; ``False``
-            (default) raises InputMismatchError instead. Costs one capture and one ILP solve
-            per new shape (seconds), on the call that first sees it, on every rank (the plan
-            is solved on rank 0 and broadcast), and keeps a meta-device copy of the model
-            (no weights, Python objects only) for capturing.
+        replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
+            values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
+            batch of an epoch), capture and plan the model again for them, with every
+            parameter and buffer pinned to the placement the module holds, and cache the new
+            graph by input signature; ``False`` (default) raises InputMismatchError instead.
+            Costs one capture and one ILP solve per new signature (seconds), on the call that
+            first sees it, on every rank (the plan is solved on rank 0 and broadcast). A new
+            mode (``pmodel.eval()`` after planning in training mode) is captured and planned
+            the same way whatever ``replan`` says.
+        check_batch_every: compare a fingerprint of the inputs across ranks on the first call
+            and every this many calls (one all-reduce of two float64 numbers per input);
+            ranks that pass different batches raise InputMismatchError. ``0`` never checks.
 
     Returns:
         a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
 
     Raises:
         MeshMismatchError: the mesh does not span the whole process group.
-        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`
-            (with ``replan=True``, also from a call with new input shapes; AutoParallelError
-            there when the new capture reads other parameters than the first).
+        CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`;
+            planning runs on rank 0 and any error it raises is raised on every rank (with
+            ``replan=True`` or a new mode, also from a call; AutoParallelError there when the
+            new capture reads other parameters than the first).
     """
     if not dist.is_initialized():
         raise MeshMismatchError("autoparallelize needs an initialized process group (torchrun / "
@@ -246,35 +283,56 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                                 f"{tuple(device_mesh.mesh.shape)}")
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                    parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
-                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type)
+                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
+                   replicate_buffers=not model.training)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         t0 = time.perf_counter()
         traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
         log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
                  time.perf_counter() - t0)
         p = _plan_on_rank0(traced, mesh, options)
-    pmodel = emit(model, traced, p, device_mesh)
-    if replan:
-        with maybe_disable_local_tensor_mode():
-            pmodel.__dict__["_replanner"] = _Replanner(model, traced, mesh, device_mesh, options,
-                                                       stamp_layers=stamp_layers,
-                                                       keywords=isinstance(meta_inputs, dict))
+        recapture = _Recapture(model, mesh, device_mesh, options, stamp_layers=stamp_layers,
+                               keywords=isinstance(meta_inputs, dict), replan=replan)
+    pmodel = emit(model, traced, p, device_mesh, check_batch_every=check_batch_every)
+    pmodel.__dict__["_recapture"] = recapture
     return pmodel
 
 
 def _plan_on_rank0(traced, mesh: MeshSpec, options: dict, pinned=None) -> Plan:
-    """Plan on rank 0 and broadcast it (every rank when there is one, or all are simulated
-    in this process). Call with local tensor mode off."""
+    """Plan on rank 0 and broadcast it (every rank plans when there is one, or all are
+    simulated in this process). Call with local tensor mode off.
+
+    Raises:
+        whatever planning raised on rank 0, on every rank: an error of autoparallel or of
+        Python's builtins with the same type and message, anything else as AutoParallelError.
+    """
     world = dist.get_world_size()
-    if world == 1 or _is_simulated() or dist.get_rank() == 0:
-        p = _plan_traced(traced, mesh, pinned=pinned, **options)
-        payload = [p.to_json()]
-    else:
-        payload = [None]
-    if world > 1 and not _is_simulated():
-        dist.broadcast_object_list(payload, src=0)
-        p = Plan.from_json(payload[0])
-    return p
+    if world == 1 or _is_simulated():
+        return _plan_traced(traced, mesh, pinned=pinned, **options)
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("plan", _plan_traced(traced, mesh, pinned=pinned, **options).to_json())]
+        except Exception as e:
+            payload = [("error", type(e).__name__, str(e))]
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0][0] == "error":
+        _, kind, message = payload[0]
+        raise _rank0_error(kind, message)
+    return Plan.from_json(payload[0][1])
+
+
+def _rank0_error(kind: str, message: str) -> Exception:
+    """The exception rank 0 raised while planning, rebuilt from its type name and message."""
+    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(f"{message} (raised while planning on rank 0)")
+        except TypeError:  # a constructor that takes other arguments
+            pass
+    return AutoParallelError(f"planning on rank 0 raised {kind}: {message}")
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
@@ -296,40 +354,56 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
                                 "attributes copyable, or call autoparallelize again for each input shape") from e
 
 
-class _Replanner:
-    """Re-plans a :class:`ParallelModule` for input shapes it has no graph for
-    (``autoparallelize(..., replan=True)``): capture of a meta skeleton of the model, plan with
-    every parameter and buffer pinned to its placement, a new per-device graph over the same
-    parameters. Holds no reference to the model or its weights."""
+class _Recapture:
+    """Captures and plans the model again for a mode or an input signature a
+    :class:`ParallelModule` has no graph for: a capture of a meta skeleton of the model in the
+    module's mode (``train()``/``eval()``), a plan with every parameter and buffer pinned to its
+    placement in the module (every parameter and buffer of the model is there, so a capture
+    that reads other state than the first, e.g. no ``num_batches_tracked`` in eval mode, is
+    planned alike), a new per-device graph over the same parameters. New signatures only under
+    ``replan=True``; new modes always. Holds no reference to the model or its weights.
 
-    def __init__(self, model: nn.Module, traced, mesh: MeshSpec, device_mesh, options: dict, *,
-                 stamp_layers: bool, keywords: bool):
-        self.skeleton = meta_skeleton(model)
-        self.state = (sorted(traced.params), sorted(traced.buffers))
+    Attributes:
+        replan: whether new input signatures are planned (else they raise InputMismatchError).
+        captures: how many captures it made.
+    """
+
+    def __init__(self, model: nn.Module, mesh: MeshSpec, device_mesh, options: dict, *,
+                 stamp_layers: bool, keywords: bool, replan: bool):
+        self.skeleton, self.copy_error = None, None
+        try:
+            self.skeleton = meta_skeleton(model)
+        except AutoParallelError as e:
+            if replan:
+                raise
+            self.copy_error = e  # raised when another mode is asked for
         self.mesh, self.device_mesh, self.options = mesh, device_mesh, options
-        self.stamp_layers, self.keywords = stamp_layers, keywords
-        self.grad_enabled = torch.is_grad_enabled()  # capture in the mode the first capture saw
+        self.stamp_layers, self.keywords, self.replan = stamp_layers, keywords, replan
+        self.grad_enabled = torch.is_grad_enabled()  # capture in the grad mode the first capture saw
         self.captures = 0
 
     def __call__(self, pmodel: ParallelModule, args, kwargs) -> Variant:
-        """Plan and add the graph for inputs ``(args, kwargs)`` (structure already checked)."""
+        """Plan and add the graph for inputs ``(args, kwargs)`` (structure already checked) in
+        ``pmodel``'s mode."""
+        if self.skeleton is None:
+            raise AutoParallelError(f"{'training' if pmodel.training else 'eval'} mode has no graph yet, and "
+                                    f"capturing one failed: {self.copy_error}")
         t0 = time.perf_counter()
         with maybe_disable_local_tensor_mode(), torch.set_grad_enabled(self.grad_enabled):
             meta = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(tuple(t.shape), dtype=t.dtype,
                                                                             device="meta"),
                                         dict(kwargs) if self.keywords else tuple(args))
+            self.skeleton.train(pmodel.training)
             traced = ColoTracer(stamp=self.stamp_layers).trace(self.skeleton, meta)
             self.captures += 1
-            state = (sorted(traced.params), sorted(traced.buffers))
-            if state != self.state:
-                new = sorted(set(state[0] + state[1]) ^ set(self.state[0] + self.state[1]))
-                raise AutoParallelError(f"re-planning for input shapes {[s for s, _ in traced.input_meta]}: the "
-                                        f"new capture reads other parameters/buffers than the first one "
-                                        f"(differing: {new[:5]}); plan these shapes with autoparallelize instead")
-            p = _plan_on_rank0(traced, self.mesh, self.options, pinned=pmodel.plan.param_placements)
+            held = list(pmodel.named_parameters(remove_duplicate=False)) + \
+                list(pmodel.named_buffers(remove_duplicate=False))
+            pinned = {name: tuple(t.placements) for name, t in held if isinstance(t, DTensor)}
+            p = _plan_on_rank0(traced, self.mesh, self.options, pinned=pinned)
         variant = _add_variant(pmodel, traced, p, self.device_mesh)
-        log.info("re-planned for input shapes %s (%.2f s; %d graphs cached)",
-                 [tuple(s) for s, _ in variant.input_meta], time.perf_counter() - t0, len(pmodel.plans))
+        log.info("planned %s mode for inputs %s (%.2f s; %d graphs cached)",
+                 "training" if variant.training else "eval", [s for s, _ in variant.input_meta],
+                 time.perf_counter() - t0, len(pmodel.plans))
         return variant
 
 
@@ -356,10 +430,10 @@ def _add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=N
                               input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
 
 
-def emit(model: nn.Module, traced, plan: Plan, device_mesh) -> ParallelModule:
+def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: int = 100) -> ParallelModule:
     """Apply ``plan`` to the traced graph of ``model`` and build the ParallelModule (the last
     two stages of :func:`autoparallelize`; also used to run hand-picked plans)."""
     pmodel = ParallelModule(model, None, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
-                            constants=traced.constants)
+                            constants=traced.constants, check_batch_every=check_batch_every)
     _add_variant(pmodel, traced, plan, device_mesh, root=pmodel)  # the first graph reads the module itself
     return pmodel
