@@ -12,11 +12,12 @@ _install_torchvision_compat()  # first: lets a CUDA torchvision wheel import on 
 from .api import autoparallelize, coverage, plan
 from .codegen import ParallelModule
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
-                     MeshMismatchError, ShardingRuleError)
+                     MeshMismatchError, PlanMismatchError, ShardingRuleError)
 from .mesh import MeshSpec
 from .plan import Plan
 from .solver import CostModel, DevicePreset
+from .validate import validate_plan
 
 __all__ = ["autoparallelize", "plan", "coverage", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
-           "MeshMismatchError", "ShardingRuleError"]
+           "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan"]

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import cache, errors
@@ -32,7 +33,7 @@ from .solver.planner import Planner
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
-from .validate import check_planning_arguments
+from .validate import check_planning_arguments, validate_plan
 
 log = logging.getLogger("autoparallel")
 
@@ -73,13 +74,10 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     for node in strategies:
         if node.op == "get_attr" and node.target in written:
             strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
-    if parallelism == "data":
-        repl = (R,) * mesh.ndim
+    if parallelism == "data":  # (checked by check_planning_arguments: "auto" or "data")
         for node in strategies:
             if node.op == "get_attr":
                 strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
-    elif parallelism != "auto":
-        raise ValueError(f"parallelism must be 'auto' or 'data', not {parallelism!r}")
     if pinned is not None:
         _pin(strategies, traced, pinned, mesh.ndim)
     t1 = time.perf_counter()
@@ -222,7 +220,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
                     cache_dir=None, memory_budget: int | str | None = None,
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
-                    replan: bool = False, check_batch_every: int = 100) -> ParallelModule:
+                    replan: bool = False, check_batch_every: int = 100,
+                    plan: Plan | str | None = None) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -252,17 +251,33 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         check_batch_every: compare a fingerprint of the inputs across ranks on the first call
             and every this many calls (one all-reduce of two float64 numbers per input);
             ranks that pass different batches raise InputMismatchError. ``0`` never checks.
+        plan: a :class:`Plan` (or its JSON) to run instead of planning, e.g. one saved with
+            ``plan.to_json()`` or edited by hand; it is validated against the captured graph
+            (:func:`autoparallel.validate.validate_plan`) on every rank.
 
     Returns:
         a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
 
     Raises:
         MeshMismatchError: the mesh does not span the whole process group.
+        PlanMismatchError: a ``plan`` that does not fit the captured graph or the mesh (the
+            message names the first mismatch); ValueError: unreadable plan JSON.
+        TypeError, ValueError: an argument of the wrong type or value (named in the message).
         CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`;
             planning runs on rank 0 and any error it raises is raised on every rank (with
             ``replan=True`` or a new mode, also from a call; AutoParallelError there when the
             new capture reads other parameters than the first).
     """
+    check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
+                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                             memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers)
+    if isinstance(plan, str):
+        plan = Plan.from_json(plan)
+    elif plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autoparallel.Plan, its JSON string or None, not {type(plan).__name__}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. from "
+                        f"init_device_mesh), not {type(device_mesh).__name__}")
     if not dist.is_initialized():
         raise MeshMismatchError("autoparallelize needs an initialized process group (torchrun / "
                                 "init_process_group); use autoparallel.plan() to plan without one")
@@ -290,7 +305,11 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
         log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
                  time.perf_counter() - t0)
-        p = _plan_on_rank0(traced, mesh, options)
+        if plan is None:
+            p = _plan_on_rank0(traced, mesh, options)
+        else:
+            validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
+            p = plan
         recapture = _Recapture(model, mesh, device_mesh, options, stamp_layers=stamp_layers,
                                keywords=isinstance(meta_inputs, dict), replan=replan)
     pmodel = emit(model, traced, p, device_mesh, check_batch_every=check_batch_every)

@@ -182,3 +182,23 @@ def test_ranks_passing_different_batches_are_stopped(sim_mesh):
             pmodel(*per_rank)
     with pytest.raises(ValueError, match="check_batch_every"):
         _parallel(MLP(), same, sim_mesh, check_batch_every=-1)
+
+
+def test_a_plan_handed_in_is_validated(sim_mesh):
+    batch = batch_for("mlp", 0)
+    good = autoparallel.plan(MLP(), to_meta(batch), mesh_shape=(2,), cost_model=ShardParams("cpu"), cache_dir=False)
+    other = autoparallel.plan(MLP(layers=3), to_meta(batch), mesh_shape=(2,), cache_dir=False)
+    wide = autoparallel.plan(MLP(), to_meta(batch), mesh_shape=(4,), cache_dir=False)
+    mesh = sim_mesh((2,))
+    torch.manual_seed(0)
+    ref = MLP()
+    with LocalTensorMode(RANKS2):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch), device_mesh=mesh,
+                                              plan=good.to_json())
+        assert pmodel.plan == good
+        assert_close("loss", pmodel(**batch).detach(), ref(**batch).detach())
+        for bad in (other, wide):
+            with pytest.raises(autoparallel.PlanMismatchError):
+                autoparallel.autoparallelize(MLP(), to_meta(batch), device_mesh=mesh, plan=bad)
+        with pytest.raises(TypeError, match="device_mesh must be"):
+            autoparallel.autoparallelize(MLP(), to_meta(batch), device_mesh=(2,))
