@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import autoparallel
+from autoparallel.errors import CaptureError
+from autoparallel.placement import R
 from autoparallel.solver import CostModel
 from autoparallel.tracer import ColoTracer, node_info
 from models import MLP, batch_for, hf_model, to_meta
@@ -109,3 +111,48 @@ def test_cli_plan_and_coverage(tmp_path, capsys):
     assert plan.mesh.shape == (2, 2)
     assert main(["coverage", "--model", "bert"]) == 0
     assert "aten.scaled_dot_product_attention.default" in capsys.readouterr().out
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x):
+        return self.w[x > 0].sum()
+
+
+class _HasMasked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Masked()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_boolean_mask_indexing_is_a_clear_capture_error():
+    """x[mask] has a shape that depends on values: a CaptureError naming the node, op and
+    module path and what to write instead (it was a raw GuardOnDataDependentSymNode)."""
+    with pytest.raises(CaptureError) as err:
+        autoparallel.plan(_HasMasked(), (torch.empty(4, 16, device="meta"),), mesh_shape=(2,), cache_dir=False)
+    msg = str(err.value)
+    assert "node index (aten.index.Tensor, module inner)" in msg and "depends on tensor values" in msg
+    assert "torch.where(mask, x, 0)" in msg
+
+
+class _ItemScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x):
+        return (x * self.w.sum().item() + self.w).sum()
+
+
+def test_item_as_a_scalar_multiplier_plans():
+    """.item() produces no tensor: it saves nothing for backward in the memory model (it was
+    `KeyError: item`) and reads its input replicated (checked numerically in test_rules)."""
+    plan = autoparallel.plan(_ItemScaled(), (torch.empty(4, 16, device="meta"),), mesh_shape=(2,), cache_dir=False)
+    assert plan.nodes["item"].input_specs == [(R,)] and plan.nodes["item"].output_specs == []
+    assert plan.estimate["memory"]["breakdown"]["activations"] == 0

@@ -214,13 +214,14 @@ def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: s
     Each distinct op signature runs once, alone, on FakeTensors of ``device`` under
     ``torch.autograd.graph.saved_tensors_hooks`` (nothing is allocated; repeated layers
     cost nothing more). Saved inputs and outputs are mapped to the graph value that owns
-    their storage (:func:`storage_owner`).
+    their storage (:func:`storage_owner`). Nodes without tensor outputs (``aten.item``: a
+    Python number) save nothing: autograd does not differentiate through them.
     """
     memo: dict = {}
     records = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node in aliases:
-            continue
+        if node.op != "call_function" or node in aliases or not node_info(node).outputs:
+            continue  # a node without tensor outputs (.item()) has no backward: it saves nothing
         ins = tensor_inputs(node)
         for kind, j, nbytes in _saved_by_op(node, device, traced_on, memo):
             if kind == "input":

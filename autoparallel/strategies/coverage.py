@@ -11,21 +11,16 @@ from typing import Sequence
 import torch.fx as fx
 from tabulate import tabulate
 
-from ..placement import R
 from ..tracer.annotate import node_info
-from .rules import REPLICATE_ONLY, RULES
-from .torch_registry import registry_strategies
+from .generator import FALLBACK, REGISTRY, REPLICATED_BY_RULE, RULE, node_strategies
 
-RULE = "rule"
-REGISTRY = "torch registry"
-REPLICATED_BY_RULE = "replicated by rule"
-FALLBACK = "replicate fallback"
+__all__ = ["CoverageRow", "CoverageReport", "coverage_of", "RULE", "REGISTRY", "REPLICATED_BY_RULE", "FALLBACK"]
 
 
 @dataclass
 class CoverageRow:
-    """One ATen op of the graph: where its strategies come from, how many nodes use it, and
-    the module paths of those nodes."""
+    """One ATen op of the graph and one source of strategies for its nodes: how many of its
+    nodes take their strategies from there, and their module paths."""
 
     op: str
     source: str
@@ -55,38 +50,32 @@ class CoverageReport:
         return json.dumps([r.__dict__ for r in self.rows])
 
 
-def _source(node: fx.Node, mesh_shape: tuple[int, ...]) -> str:
-    if node.target in RULES:
-        return RULE
-    if node.target in REPLICATE_ONLY:
-        return REPLICATED_BY_RULE
-    repl = (R,) * len(mesh_shape)
-    strategies = registry_strategies(node, mesh_shape) or []
-    if any(spec != repl for s in strategies for spec in s.inputs + s.outputs):
-        return REGISTRY
-    return FALLBACK
-
-
 def coverage_of(gm: fx.GraphModule, mesh_shape: Sequence[int] = (2,)) -> CoverageReport:
-    """The coverage report of a traced graph, fallback ops first, then ops whose strategies
-    come from DTensor's registry, ops replicated by rule, and ops with a rule of ours.
+    """The coverage report of a traced graph: one row per op and source of strategies,
+    fallbacks first, then DTensor's registry, replicated by rule, and rules of ours.
 
-    An op without a rule of ours counts as "torch registry" when DTensor's registry gives
-    some node of it a split strategy on a mesh of ``mesh_shape`` (default ``(2,)``, on
-    which the most dims divide evenly), else as "replicate fallback".
+    A node's source is what the strategy generator uses for it on a mesh of ``mesh_shape``
+    (default ``(2,)``, on which the most dims divide evenly;
+    :func:`~autoparallel.strategies.generator.node_strategies`): a node whose rule returns
+    nothing for its arguments is a "replicate fallback" (or "torch registry") row of its op
+    beside the op's "rule" row. A node without split strategies counts as "torch registry"
+    when DTensor's registry splits another node of the same op (its shapes, not a missing
+    rule, keep it whole).
     """
     mesh_shape = tuple(mesh_shape)
-    ops: dict[str, list] = {}
+    ops: dict[tuple[str, str], list] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or not node_info(node).outputs:
             continue
-        source = _source(node, mesh_shape)
-        entry = ops.setdefault(str(node.target), [source, 0, set()])
-        if source == REGISTRY:  # any node with split strategies makes the op a registry op
-            entry[0] = REGISTRY
-        entry[1] += 1
-        entry[2].add(node_info(node).module_path or "<root>")
+        _, source = node_strategies(node, mesh_shape)
+        entry = ops.setdefault((str(node.target), source), [0, set()])
+        entry[0] += 1
+        entry[1].add(node_info(node).module_path or "<root>")
+    for op, source in [k for k in ops if k[1] == FALLBACK and (k[0], REGISTRY) in ops]:
+        n, mods = ops.pop((op, source))
+        ops[(op, REGISTRY)][0] += n
+        ops[(op, REGISTRY)][1].update(mods)
     order = {FALLBACK: 0, REGISTRY: 1, REPLICATED_BY_RULE: 2, RULE: 3}
-    rows = [CoverageRow(op, src, n, sorted(mods)) for op, (src, n, mods) in ops.items()]
+    rows = [CoverageRow(op, src, n, sorted(mods)) for (op, src), (n, mods) in ops.items()]
     rows.sort(key=lambda r: (order[r.source], r.op))
     return CoverageReport(rows)

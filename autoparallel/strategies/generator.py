@@ -18,6 +18,12 @@ from .engine import DimMap, Strategy, enumerate_strategies
 from .rules import REPLICATE_ONLY, RULES, tensor_inputs
 from .torch_registry import registry_strategies
 
+RULE = "rule"
+REGISTRY = "torch registry"
+REPLICATED_BY_RULE = "replicated by rule"
+FALLBACK = "replicate fallback"
+"""Where a node's strategies come from (:func:`node_strategies`)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -37,29 +43,81 @@ def _partial_ok(strategy: Strategy, in_dtypes, out_dtypes) -> bool:
     return True
 
 
+def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Strategy], str]:
+    """The strategies of an annotated ``call_function`` node on a mesh, and their source.
+
+    The source is :data:`RULE` when a rule of ours covers the node (its rule returns a
+    DimMap or strategies), :data:`REPLICATED_BY_RULE` for ops in ``REPLICATE_ONLY``,
+    :data:`REGISTRY` when DTensor's registry lists a split strategy for it, else
+    :data:`FALLBACK`. A rule that returns ``None`` (or no strategy) does not cover the
+    node: it goes on to the registry like an op without a rule. Strategies with a
+    ``Partial`` non-floating tensor are dropped; the replicated strategy is always in the list.
+
+    Args:
+        node: a node of a graph annotated by :func:`~autoparallel.tracer.annotate.annotate_graph`.
+        mesh_shape: devices per mesh axis.
+
+    Raises:
+        ShardingRuleError: the node's rule raised; the message names the node, op and module path.
+    """
+    nd = len(mesh_shape)
+    info = node_info(node)
+    ins = [n for _, n in tensor_inputs(node)]
+    in_shapes = _shapes(ins)
+    out_shapes = [s for s, _ in info.outputs]
+    strategies = None
+    source = REPLICATED_BY_RULE
+    fn = RULES.get(node.target)
+    if fn is not None:
+        try:
+            res = fn(node, in_shapes, out_shapes)
+        except Exception as e:
+            raise ShardingRuleError(
+                f"sharding rule for {node.target} failed on node {node.name} "
+                f"(module {info.module_path or '<root>'}): {type(e).__name__}: {e}") from e
+        strategies = enumerate_strategies(res, mesh_shape) if isinstance(res, DimMap) else res
+        source = RULE
+    repl = Strategy(tuple((R,) * nd for _ in ins), tuple((R,) * nd for _ in out_shapes))
+    if not strategies and node.target not in REPLICATE_ONLY:
+        strategies = registry_strategies(node, mesh_shape)
+        source = FALLBACK
+    in_dt = [n.meta["val"].dtype for n in ins]
+    out_dt = [dt for _, dt in info.outputs]
+    strategies = [s for s in (strategies or []) if _partial_ok(s, in_dt, out_dt)]
+    if source == FALLBACK and any(s != repl for s in strategies):
+        source = REGISTRY
+    if repl not in strategies:
+        strategies.append(repl)
+    return strategies, source
+
+
 class StrategyGenerator:
     """Lists the strategies of every node of a traced graph on a mesh.
 
     Placeholders (the global batch) are replicated: consumers that want them split take
     a local slice, which costs nothing. Parameters and buffers may be split over any of
-    their dims. ``getitem`` nodes alias an output of their producer and get no strategies
-    of their own (see :attr:`aliases`). An op without a rule of ours takes the strategies
-    DTensor's sharding registry lists for it (:func:`.torch_registry.registry_strategies`),
-    recorded in :attr:`registry_ops`; when that gives none but the replicated one, the op
-    runs replicated and is recorded in :attr:`fallbacks`.
+    their dims. An op that returns no tensor (``x.item()``: a Python number) reads its
+    tensor inputs replicated, so that every device computes the global value. ``getitem`` nodes alias an output of their producer and get no strategies
+    of their own (see :attr:`aliases`). A node that no rule of ours covers (no rule for
+    its op, or the rule returns nothing for its arguments) takes the strategies DTensor's
+    sharding registry lists for it (:func:`.torch_registry.registry_strategies`), recorded
+    in :attr:`registry_ops`; when that gives none but the replicated one, the node runs
+    replicated and its op is recorded in :attr:`fallbacks` (:func:`node_strategies`).
 
     Args:
         mesh_shape: devices per mesh axis.
-        strict: raise instead of falling back to replication for ops without a rule.
+        strict: raise instead of falling back to replication for nodes no rule covers.
 
     Attributes:
-        fallbacks: op → module paths, for ops that only run replicated for want of a rule.
-        registry_ops: op → module paths, for ops whose strategies come from DTensor's registry.
+        fallbacks: op → module paths, for ops with a node that only runs replicated for
+            want of a rule.
+        registry_ops: op → module paths, for ops with a node whose strategies come from
+            DTensor's registry.
 
     Raises:
-        ShardingRuleError: under ``strict=True``, listing every op that has neither a rule
-            nor split strategies in DTensor's registry at once, each with the module paths
-            that use it.
+        ShardingRuleError: under ``strict=True``, listing every op with a node that neither
+            a rule nor DTensor's registry splits, at once, each with the module paths that
+            use it; or when a rule fails on a node (:func:`node_strategies`).
     """
 
     def __init__(self, mesh_shape: Sequence[int], strict: bool = False):
@@ -82,6 +140,10 @@ class StrategyGenerator:
                 self.aliases[node] = (src, node.args[1])
                 continue
             info = node_info(node)
+            if node.op == "call_function" and not info.outputs:
+                # a Python number (.item()) or nothing: the same on every device only from whole inputs
+                out[node] = [Strategy(tuple(repl for _ in tensor_inputs(node)), ())]
+                continue
             if not info.outputs:
                 continue
             if node.op == "placeholder":
@@ -95,56 +157,25 @@ class StrategyGenerator:
         if self.fallbacks and self.strict:
             lines = [f"  {op} (used in: {', '.join(sorted(p or '<root>' for p in paths))})"
                      for op, paths in sorted(self.fallbacks.items())]
-            raise ShardingRuleError("no sharding rule for these ops, ours or DTensor's (strict=True):\n"
+            raise ShardingRuleError("no sharding rule, ours or DTensor's, covers these ops (strict=True):\n"
                                     + "\n".join(lines) + "\n  Pass strict=False to run them replicated.")
         return out
 
     def _op_strategies(self, node: fx.Node, info) -> list[Strategy]:
         ins = [n for _, n in tensor_inputs(node)]
-        in_shapes = _shapes(ins)
-        out_shapes = [s for s, _ in info.outputs]
-        key = _key(node, in_shapes, out_shapes)
+        key = _key(node, _shapes(ins), [s for s, _ in info.outputs])
         if key not in self._cache:
-            self._cache[key] = self._compute(node, info, ins, in_shapes, out_shapes)
+            self._cache[key] = node_strategies(node, self.mesh_shape)
         strategies, source = self._cache[key]
-        if source is not None:
+        record = {REGISTRY: self.registry_ops, FALLBACK: self.fallbacks}.get(source)
+        if record is not None:
             op = str(node.target)
-            if op not in source:
-                if source is self.registry_ops:
-                    log.info("no sharding rule for %s (node %s, module %s): strategies from DTensor's registry",
-                             op, node.name, info.module_path or "<root>")
+            if op not in record:
+                if source == REGISTRY:
+                    log.info("no sharding rule of ours covers %s (node %s, module %s): strategies from "
+                             "DTensor's registry", op, node.name, info.module_path or "<root>")
                 else:
-                    log.warning("no sharding rule for %s (node %s, module %s): it runs replicated",
+                    log.warning("no sharding rule covers %s (node %s, module %s): it runs replicated",
                                 op, node.name, info.module_path or "<root>")
-            source[op].add(info.module_path)
+            record[op].add(info.module_path)
         return strategies
-
-    def _compute(self, node: fx.Node, info, ins, in_shapes, out_shapes):
-        """(strategies, where to record the op: None, :attr:`registry_ops` or :attr:`fallbacks`)."""
-        nd = len(self.mesh_shape)
-        fn = RULES.get(node.target)
-        strategies = None
-        source = None
-        if fn is not None:
-            try:
-                res = fn(node, in_shapes, out_shapes)
-            except Exception as e:
-                raise ShardingRuleError(
-                    f"sharding rule for {node.target} failed on node {node.name} "
-                    f"(module {info.module_path or '<root>'}): {type(e).__name__}: {e}") from e
-            if isinstance(res, DimMap):
-                strategies = enumerate_strategies(res, self.mesh_shape)
-            elif res is not None:
-                strategies = res
-        elif node.target not in REPLICATE_ONLY:
-            strategies = registry_strategies(node, self.mesh_shape)
-            source = self.fallbacks
-        in_dt = [n.meta["val"].dtype for n in ins]
-        out_dt = [dt for _, dt in info.outputs]
-        repl = Strategy(tuple((R,) * nd for _ in ins), tuple((R,) * nd for _ in out_shapes))
-        strategies = [s for s in (strategies or []) if _partial_ok(s, in_dt, out_dt)]
-        if source is not None and any(s != repl for s in strategies):
-            source = self.registry_ops
-        if repl not in strategies:
-            strategies.append(repl)
-        return strategies, source

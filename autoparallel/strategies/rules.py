@@ -4,13 +4,17 @@ A rule is called as ``rule(node, in_shapes, out_shapes)`` where the shapes are t
 the node's data tensor inputs (:func:`tensor_inputs`) and tensor outputs, and returns a
 :class:`~autoparallel.strategies.engine.DimMap` (enumerated by the engine) or a list of
 :class:`~autoparallel.strategies.engine.Strategy` for the few ops the engine cannot
-describe. Ops in :data:`NO_DATA_INPUT` read only dtype/device from their tensor argument.
+describe, or ``None`` when it does not cover the node (the node then goes to DTensor's
+registry and else runs replicated, reported as a fallback: see
+:mod:`~autoparallel.strategies.generator`). Rules read the op's other arguments by name
+(:func:`op_args`). Ops in :data:`NO_DATA_INPUT` read only dtype/device from their tensor
+argument.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -54,10 +58,38 @@ def tensor_inputs(node: fx.Node) -> list[tuple[int, fx.Node]]:
     return out
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """Every argument of ``node``'s ATen op by its schema name, defaults filled in.
+
+    ``node.args`` bind to the schema's positional arguments in order and ``node.kwargs`` by
+    name, as the dispatcher binds them; an argument given neither way takes the schema's
+    default. Rules read scalar arguments only through this, never by position: where an
+    argument sits differs between ops (``flip(self, dims)`` but ``roll(self, shifts, dims)``;
+    ``norm(self, p, dim)`` but ``sum(self, dim)``).
+
+    Raises:
+        TypeError: ``node.target`` has no schema, or the node passes an argument the schema
+            does not have, or omits a required one.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        raise TypeError(f"{node.target} (node {node.name}) is not an ATen op with a schema")
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if len(node.args) > len(positional):
+        raise TypeError(f"{node.target} (node {node.name}): {len(node.args)} positional arguments, "
+                        f"the schema has {len(positional)}")
+    out = {a.name: v for a, v in zip(positional, node.args)}
+    names = {a.name for a in schema.arguments}
+    for k, v in node.kwargs.items():
+        if k not in names or k in out:
+            raise TypeError(f"{node.target} (node {node.name}): unexpected or repeated argument {k!r}")
+        out[k] = v
+    for a in schema.arguments:
+        if a.name not in out:
+            if not a.has_default_value():
+                raise TypeError(f"{node.target} (node {node.name}): required argument {a.name!r} missing")
+            out[a.name] = a.default_value
+    return out
 
 
 def _norm(d: int, ndim: int) -> int:
@@ -80,8 +112,8 @@ for _op, _lin in [
     (aten.to.dtype, LINEAR_FIRST), (aten.to.dtype_layout, LINEAR_FIRST), (aten.to.device, LINEAR_FIRST),
     (aten._to_copy.default, LINEAR_FIRST), (aten.clone.default, LINEAR_FIRST),
     (aten.contiguous.default, LINEAR_FIRST), (aten.alias.default, LINEAR_FIRST),
-    (aten.detach.default, LINEAR_FIRST), (aten.lift_fresh_copy.default, LINEAR_FIRST),
-    (aten.type_as.default, LINEAR_FIRST),
+    (aten.detach.default, LINEAR_FIRST), (aten.detach_.default, LINEAR_FIRST),
+    (aten.lift_fresh_copy.default, LINEAR_FIRST),
 ]:
     POINTWISE[_op] = _lin
 for _op in [
@@ -108,16 +140,22 @@ for _op in [
     POINTWISE[_op] = None
 
 
-def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap:
+def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap | None:
+    """Elementwise op whose tensor inputs broadcast into its output: every output dim is a
+    parallel dim, shared by the inputs that have it at full size (a broadcast size-1 dim is
+    not split). ``None`` when an input does not broadcast into the output (more dims, or a
+    dim that is neither 1 nor the output's): such an op is not elementwise on these shapes."""
     out = out_shapes[0]
     labs = _labels(len(out))
     ins = []
     for s in in_shapes:
         off = len(out) - len(s)
+        if off < 0 or any(s[j] not in (1, out[off + j]) for j in range(len(s))):
+            return None
         ins.append(tuple(labs[off + j] if s[j] == out[off + j] else None for j in range(len(s))))
     n = len(in_shapes)
     partial = []
-    if linear == LINEAR_ALL and n == 2 and all(isinstance(a, fx.Node) for a in node.args[:2]):
+    if linear == LINEAR_ALL and n == 2:
         partial = [frozenset(range(n))]  # x + y; not x + c, which would add c once per device
     elif linear == LINEAR_EACH:
         partial = [frozenset([i]) for i in range(n)]
@@ -160,37 +198,38 @@ def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
 
 
 @rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
-      aten.unflatten.int, aten.view_as.default, aten.reshape_as.default)
+      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints)
 def view_rule(node, in_shapes, out_shapes):
+    """Views and reshapes (capture rewrites ``view_as``, ``reshape_as`` and ``unflatten``
+    into ``view``/``reshape`` to the output's shape: :mod:`autoparallel.tracer.decompose`)."""
     lin, lout = view_dims(in_shapes[0], out_shapes[0])
-    return DimMap([lin] + [(None,) * len(s) for s in in_shapes[1:]], [lout], list(in_shapes),
-                  list(out_shapes), partial=[frozenset([0])])
+    return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.expand.default, aten.expand_as.default)
+@rule(aten.expand.default)
 def expand_rule(node, in_shapes, out_shapes):
+    """``expand`` (capture rewrites ``expand_as`` into it): broadcast dims stay whole on the input side."""
     out = out_shapes[0]
     labs = _labels(len(out))
     s = in_shapes[0]
     off = len(out) - len(s)
     lin = tuple(labs[off + j] if s[j] == out[off + j] else None for j in range(len(s)))
-    ins = [lin] + [(None,) * len(x) for x in in_shapes[1:]]
-    return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+    return DimMap([lin], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
 @rule(aten.transpose.int, aten.t.default, aten.permute.default, aten.movedim.int)
 def permute_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     labs = _labels(nd)
+    a = op_args(node)
     if node.target == aten.permute.default:
-        perm = [_norm(d, nd) for d in node.args[1]]
+        perm = [_norm(d, nd) for d in a["dims"]]
     elif node.target == aten.movedim.int:
-        src, dst = _norm(node.args[1], nd), _norm(node.args[2], nd)
+        src, dst = _norm(a["source"], nd), _norm(a["destination"], nd)
         perm = [d for d in range(nd) if d != src]
         perm.insert(dst, src)
     else:
-        d0, d1 = (0, 1) if node.target == aten.t.default else (_norm(node.args[1], nd), _norm(node.args[2], nd))
+        d0, d1 = (0, 1) if node.target == aten.t.default else (_norm(a["dim0"], nd), _norm(a["dim1"], nd))
         perm = list(range(nd))
         if nd > 1:
             perm[d0], perm[d1] = perm[d1], perm[d0]
@@ -205,7 +244,7 @@ def _forbid(labs, dims):
 @rule(aten.slice.Tensor)
 def slice_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    dim = _norm(_arg(node, 1, "dim", 0), nd)
+    dim = _norm(op_args(node)["dim"], nd)
     labs = _labels(nd)
     if in_shapes[0][dim] != out_shapes[0][dim]:
         labs = _forbid(labs, {dim})
@@ -215,17 +254,16 @@ def slice_rule(node, in_shapes, out_shapes):
 @rule(aten.select.int)
 def select_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    dim = _norm(node.args[1], nd)
+    dim = _norm(op_args(node)["dim"], nd)
     labs = _labels(nd)
     return DimMap([_forbid(labs, {dim})], [labs[:dim] + labs[dim + 1:]], list(in_shapes), list(out_shapes),
                   partial=[frozenset([0])])
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
-      aten.split.default)
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 def split_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    dim = _norm(_arg(node, 2 if node.target != aten.unbind.int else 1, "dim", 0), nd)
+    dim = _norm(op_args(node)["dim"], nd)
     labs = _forbid(_labels(nd), {dim})
     outs = [labs if len(s) == nd else labs[:dim] + labs[dim + 1:] for s in out_shapes]
     return DimMap([labs], outs, list(in_shapes), list(out_shapes), partial=[frozenset([0])])
@@ -234,7 +272,7 @@ def split_rule(node, in_shapes, out_shapes):
 @rule(aten.cat.default, aten.stack.default)
 def cat_rule(node, in_shapes, out_shapes):
     out = out_shapes[0]
-    dim = _norm(_arg(node, 1, "dim", 0), len(out))
+    dim = _norm(op_args(node)["dim"], len(out))
     labs = _forbid(_labels(len(out)), {dim})
     if node.target == aten.stack.default:
         ins = [labs[:dim] + labs[dim + 1:] for _ in in_shapes]
@@ -248,13 +286,20 @@ def repeat_interleave_rule(node, in_shapes, out_shapes):
     """``x.repeat_interleave(r, dim)`` (GPT-J's rotary sin/cos): every dim keeps its split,
     the repeated one too (a contiguous block of ``n/k`` elements repeats into the matching
     block of ``n*r/k``), unless ``output_size`` gives the global length. Without ``dim`` the
-    input is flattened: replicated."""
-    nd = len(in_shapes[0])
-    dim = _arg(node, 2, "dim", None)
-    if dim is None or nd == 0:
-        return None
+    flattened input repeats: only its first dim of size > 1 may be split (its blocks are
+    contiguous in the flattened order), into the 1-D output, unless ``output_size`` is given."""
+    shape = in_shapes[0]
+    nd = len(shape)
+    a = op_args(node)
+    dim = a["dim"]
+    if dim is None:
+        first = next((d for d, n in enumerate(shape) if n != 1), None)
+        split = first is not None and a["output_size"] is None
+        lin = tuple("g" if split and d == first else None for d in range(nd))
+        return DimMap([lin], [("g" if split else None,)], list(in_shapes), list(out_shapes),
+                      partial=[frozenset([0])])
     labs = _labels(nd)
-    if _arg(node, 3, "output_size", None) is not None:
+    if a["output_size"] is not None:
         labs = _forbid(labs, {_norm(dim, nd)})
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
@@ -262,7 +307,7 @@ def repeat_interleave_rule(node, in_shapes, out_shapes):
 @rule(aten.pad.default, aten.constant_pad_nd.default)
 def pad_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    npad = len(node.args[1]) // 2
+    npad = len(op_args(node)["pad"]) // 2
     labs = _forbid(_labels(nd), set(range(nd - npad, nd)))
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes))
 
@@ -271,10 +316,15 @@ def pad_rule(node, in_shapes, out_shapes):
       aten._log_softmax.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
       aten.sort.default, aten.argsort.default)
 def along_dim_rule(node, in_shapes, out_shapes):
-    """Ops that mix values along one dim (given as the second argument): that dim stays whole."""
+    """Ops that mix values along the dims named by their ``dim`` (or ``dims``) argument:
+    those dims stay whole. ``roll`` without ``dims`` rolls the flattened tensor: every dim
+    stays whole."""
     nd = len(in_shapes[0])
-    dims = node.args[1] if len(node.args) > 1 else -1
-    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    a = op_args(node)
+    dims = a["dims"] if "dims" in a else a["dim"]
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    if node.target == aten.roll.default and not dims:
+        dims = list(range(nd))
     labs = _forbid(_labels(nd), {_norm(d, nd) for d in dims})
     return DimMap([labs], [labs] * len(out_shapes), list(in_shapes), list(out_shapes))
 
@@ -282,15 +332,17 @@ def along_dim_rule(node, in_shapes, out_shapes):
 @rule(aten.diff.default)
 def diff_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    dim = _norm(_arg(node, 2, "dim", -1), nd)
+    dim = _norm(op_args(node)["dim"], nd)
     labs = _forbid(_labels(nd), {dim})
     return DimMap([labs if len(s) == nd else (None,) * len(s) for s in in_shapes], [labs],
                   list(in_shapes), list(out_shapes))
 
 
 # ---------------------------------------------------------------- reductions
-def _reduce_dims(node, nd):
-    dims = _arg(node, 1, "dim", None)
+def _reduce_dims(node, nd) -> set[int]:
+    """The dims a reduction reduces: its ``dim`` argument; all dims when it has none, or
+    it is ``None`` or empty (``sum(x, [])`` and ``amax(x, [])`` reduce everything)."""
+    dims = op_args(node).get("dim")
     if dims is None or dims == []:
         return set(range(nd))
     dims = dims if isinstance(dims, (list, tuple)) else [dims]
@@ -302,7 +354,7 @@ def sum_rule(node, in_shapes, out_shapes):
     """Sum or mean: a split reduced dim leaves partial results (codegen divides a mean's
     local result by the number of pieces, so that the pending sum is the global mean)."""
     nd = len(in_shapes[0])
-    red = _reduce_dims(node, nd) if node.target not in (aten.sum.default, aten.mean.default) else set(range(nd))
+    red = _reduce_dims(node, nd)
     labs = _labels(nd)
     keep = len(out_shapes[0]) == nd
     out = tuple(None if d in red else labs[d] for d in range(nd)) if keep else \
@@ -319,7 +371,7 @@ def sum_rule(node, in_shapes, out_shapes):
 def reduce_whole_rule(node, in_shapes, out_shapes):
     """Reductions that are not plain sums: the reduced dims stay whole."""
     nd = len(in_shapes[0])
-    red = _reduce_dims(node, nd) if len(node.args) > 1 or "dim" in node.kwargs else set(range(nd))
+    red = _reduce_dims(node, nd)
     labs = _labels(nd)
     outs = []
     for s in out_shapes:
@@ -333,17 +385,21 @@ def reduce_whole_rule(node, in_shapes, out_shapes):
 # ---------------------------------------------------------------- matmuls
 @rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def matmul_rule(node, in_shapes, out_shapes):
+    """``mm``, ``bmm``, ``matmul`` (broadcast batch dims; a 1-D operand is a vector whose
+    ``m`` or ``n`` dim the output lacks): ``k`` contracted, batch dims, ``m`` and ``n`` parallel."""
     a, b = in_shapes
     out = out_shapes[0]
-    if len(a) < 2 or len(b) < 2:
-        return None  # vector products: replicate fallback
-    nb = len(out) - 2
+    core_a = ("m", "k") if len(a) >= 2 else ("k",)
+    core_b = ("k", "n") if len(b) >= 2 else ("k",)
+    nb = len(out) - (len(core_a) - 1) - (len(core_b) - 1)
     batch = _labels(nb, "b")
-    la = tuple(batch[nb - (len(a) - 2) + i] if a[i] == out[nb - (len(a) - 2) + i] else None
-               for i in range(len(a) - 2)) + ("m", "k")
-    lb = tuple(batch[nb - (len(b) - 2) + i] if b[i] == out[nb - (len(b) - 2) + i] else None
-               for i in range(len(b) - 2)) + ("k", "n")
-    return DimMap([la, lb], [batch + ("m", "n")], list(in_shapes), list(out_shapes),
+
+    def labels(s, core):
+        n = len(s) - len(core)  # batch dims of this operand, aligned right with the output's
+        return tuple(batch[nb - n + i] if s[i] == out[nb - n + i] else None for i in range(n)) + core
+
+    lout = batch + core_a[:-1] + core_b[1:]
+    return DimMap([labels(a, core_a), labels(b, core_b)], [lout], list(in_shapes), list(out_shapes),
                   reduce=frozenset({"k"}))
 
 
@@ -372,7 +428,7 @@ def linear_rule(node, in_shapes, out_shapes):
 @rule(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    k = len(node.args[1])
+    k = len(op_args(node)["normalized_shape"])
     labs = _forbid(_labels(nd), set(range(nd - k, nd)))
     ins = [labs] + [(None,) * len(s) for s in in_shapes[1:]]
     return DimMap(ins, [labs], list(in_shapes), list(out_shapes))
@@ -388,7 +444,7 @@ def embedding_rule(node, in_shapes, out_shapes):
 @rule(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node, in_shapes, out_shapes):
     q, k, v = in_shapes[:3]
-    is_causal = _arg(node, 5, "is_causal", False)
+    is_causal = op_args(node)["is_causal"]
     lq = ("b", "h", None if is_causal else "sq", None)
     lkv = ("b", "h", None, None)
     ins = [lq, lkv, lkv]
@@ -408,10 +464,8 @@ def conv_rule(node, in_shapes, out_shapes):
     (``groups == channels``) the channels. Spatial dims stay whole (no halo exchange)."""
     x, w = in_shapes[0], in_shapes[1]
     nsp = len(x) - 2
-    if node.target == aten.convolution.default:
-        groups, transposed = _arg(node, 8, "groups", 1), _arg(node, 6, "transposed", False)
-    else:
-        groups, transposed = _arg(node, 6, "groups", 1), False
+    a = op_args(node)
+    groups, transposed = a["groups"], a.get("transposed", False)
     sp = (None,) * nsp
     if transposed or (groups != 1 and not (groups == x[1] == w[0])):
         lx, lw, lb, lo, red = ("n", None) + sp, (None,) * len(w), (None,), ("n", None) + sp, frozenset()
@@ -439,7 +493,7 @@ def pool_rule(node, in_shapes, out_shapes):
 @rule(aten.gather.default)
 def gather_rule(node, in_shapes, out_shapes):
     x, idx = in_shapes
-    dim = _norm(node.args[1], len(x))
+    dim = _norm(op_args(node)["dim"], len(x))
     li = _forbid(_labels(len(idx)), {dim})
     lx = tuple(li[d] if d != dim and x[d] == idx[d] else None for d in range(len(x)))
     return DimMap([lx, li], [li], list(in_shapes), list(out_shapes))
@@ -448,25 +502,36 @@ def gather_rule(node, in_shapes, out_shapes):
 @rule(aten.index_select.default)
 def index_select_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
-    dim = _norm(node.args[1], nd)
+    dim = _norm(op_args(node)["dim"], nd)
     labs = _forbid(_labels(nd), {dim})
     return DimMap([labs, (None,)], [labs], list(in_shapes), list(out_shapes))
 
 
 @rule(aten.cross_entropy_loss.default)
 def cross_entropy_rule(node, in_shapes, out_shapes):
-    """Replicated, or split over the batch dim N (weight=None, label_smoothing=0): the output
-    is then ``Partial`` for 'sum' and 'mean' (codegen divides by the global count of kept
-    targets) and ``Shard(0)`` for 'none'."""
+    """Input ``(N, C, d1, ...)``, target ``(N, d1, ...)``: the batch and spatial dims may be
+    split, the classes stay whole (a ``weight`` is replicated).
+
+    ``reduction='none'``: the loss of every element is its own, so the output is split like
+    the target, whatever ``weight``, ``ignore_index`` and ``label_smoothing`` are.
+    ``'sum'`` and ``'mean'``: the output is ``Partial``; codegen computes the local sum and,
+    for 'mean', divides it by the global count of kept targets (not ignored). That is the
+    loss only without ``weight`` (the mean divides by the kept targets' weights) and with
+    ``label_smoothing=0`` (codegen's local call passes neither), so with either the rule
+    returns ``None``: the node runs replicated, reported as a fallback. An unbatched input
+    ``(C,)`` has nothing to split: replicated."""
     x, t = in_shapes[0], in_shapes[1]
-    reduction = _arg(node, 3, "reduction", 1)
-    smoothing = _arg(node, 5, "label_smoothing", 0.0)
-    if len(in_shapes) > 2 or smoothing or len(x) < 2:
-        return None
+    a = op_args(node)
+    if len(x) < 2:
+        return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * len(s) for s in out_shapes],
+                      list(in_shapes), list(out_shapes))
     lx = ("n", None) + tuple(f"s{i}" for i in range(len(x) - 2))
     lt = ("n",) + tuple(f"s{i}" for i in range(len(t) - 1))
-    if reduction == 0:
-        return DimMap([lx, lt], [lt], list(in_shapes), list(out_shapes))
+    lw = [(None,) * len(s) for s in in_shapes[2:]]  # the weight, when given
+    if a["reduction"] == 0:
+        return DimMap([lx, lt] + lw, [lt], list(in_shapes), list(out_shapes))
+    if a["weight"] is not None or a["label_smoothing"]:
+        return None
     return DimMap([lx, lt], [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None})
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..errors import CaptureError
 from ..fqn import get_attr
 
 aten = torch.ops.aten
@@ -93,14 +95,35 @@ def _flops(node: fx.Node, memo: dict) -> float | None:
     return memo[key]
 
 
+def _static_shape(node: fx.Node, val: torch.Tensor) -> tuple[int, ...]:
+    """The shape of one output of ``node`` as ints.
+
+    Raises:
+        CaptureError: a size depends on tensor values (an unbacked symbol of export)."""
+    try:
+        return tuple(int(s) for s in val.shape)
+    except GuardOnDataDependentSymNode as e:
+        op = node.target if node.op == "call_function" else node.op
+        raise CaptureError(
+            f"node {node.name} ({op}, module {module_path(node) or '<root>'}) has an output of shape "
+            f"{tuple(val.shape)}, which depends on tensor values (boolean-mask indexing x[mask], nonzero, "
+            "masked_select, unique, ...). autoparallel plans for shapes known before the run: keep the "
+            "shape fixed, e.g. torch.where(mask, x, 0) or x.masked_fill(~mask, 0) followed by a reduction "
+            "instead of x[mask], or indices of a fixed count (topk) instead of nonzero.") from e
+
+
 def annotate_graph(gm: fx.GraphModule) -> None:
-    """Attach a :class:`NodeInfo` to every node of ``gm`` that produces tensors."""
+    """Attach a :class:`NodeInfo` to every node of ``gm`` that produces tensors.
+
+    Raises:
+        CaptureError: a node's output shape depends on tensor values (see :func:`_static_shape`).
+    """
     memo: dict = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         vals = _tensor_vals(node.meta.get("val"))
-        outs = [(tuple(int(s) for s in v.shape), v.dtype) for v in vals]
+        outs = [(_static_shape(node, v), v.dtype) for v in vals]
         nbytes = sum(v.numel() * v.element_size() for v in vals)
         if node.op == "get_attr":
             attr = get_attr(gm, node.target)

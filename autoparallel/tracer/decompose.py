@@ -14,6 +14,18 @@ trained with a regression loss gathered its whole output on every device.
 
 The values equal the fused op's up to rounding of the final reduction's order; autograd
 derives the backward (``2 · d · grad / n`` for mean) from the primitive ops.
+
+Ops whose second tensor argument supplies only metadata are rewritten into the op that
+takes that metadata as a constant, so that the argument is no data input (the planner
+neither converts it nor forces its layout) and the per-device graph gets local values:
+
+* ``view_as(x, y)``, ``reshape_as(x, y)``, ``expand_as(x, y)`` → ``view``, ``reshape``,
+  ``expand`` of ``x`` to the (static) output shape, a shape argument that codegen rewrites
+  to the local shape (as ``y``'s local tensor would not be when ``x`` is split and ``y`` is
+  not); ``unflatten(x, dim, sizes)`` → ``view`` for the same reason (its global ``sizes``
+  do not divide a split dim's local size);
+* ``type_as(x, y)`` → ``x.to(dtype=y.dtype, device=y.device)`` (``aten.to.dtype_layout``,
+  which like ``type_as`` returns ``x`` itself when nothing changes); ``y`` may have any shape.
 """
 
 from __future__ import annotations
@@ -27,11 +39,14 @@ from .mutations import call_like
 
 aten = torch.ops.aten
 _REDUCE = {0: None, 1: aten.mean.default, 2: aten.sum.default}
+_TO_SHAPE_ARG = {aten.view_as.default: aten.view.default, aten.reshape_as.default: aten.reshape.default,
+                 aten.expand_as.default: aten.expand.default, aten.unflatten.int: aten.view.default}
 
 
 def decompose_composites(graph: fx.Graph) -> int:
-    """Rewrite every ``broadcast_tensors`` and ``mse_loss`` node of ``graph`` (module
-    docstring); returns how many were rewritten."""
+    """Rewrite every ``broadcast_tensors``, ``mse_loss``, ``view_as``, ``reshape_as``,
+    ``expand_as``, ``unflatten`` and ``type_as`` node of ``graph`` (module docstring);
+    returns how many were rewritten."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -40,7 +55,23 @@ def decompose_composites(graph: fx.Graph) -> int:
             count += _broadcast(graph, node)
         elif node.target is aten.mse_loss.default:
             count += _mse_loss(graph, node)
+        elif node.target in _TO_SHAPE_ARG:
+            count += _replace(graph, node, _TO_SHAPE_ARG[node.target], node.args[0],
+                              list(node.meta["val"].shape))
+        elif node.target is aten.type_as.default:
+            other = node.args[1].meta["val"]
+            count += _replace(graph, node, aten.to.dtype_layout, node.args[0], dtype=other.dtype,
+                              device=other.device)
     return count
+
+
+def _replace(graph: fx.Graph, node: fx.Node, target, *args, **kwargs) -> bool:
+    """Replace ``node`` by a call of ``target`` on ``args``/``kwargs``."""
+    with graph.inserting_before(node):
+        new = call_like(graph, node, target, *args, **kwargs)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
 
 
 def _broadcast(graph: fx.Graph, node: fx.Node) -> bool:
