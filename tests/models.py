@@ -179,3 +179,14 @@ def batch_for(name, seed, batch=8, seq=16):
 
 def to_meta(batch):
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+
+
+class CheapComm(autoparallel.CostModel):
+    """Communication at a thousandth of its price: on these toy models the planner then splits
+    nearly every op it can, so that parity checks sharded layouts, not a replicated plan."""
+
+    def collective_time(self, kind, axis, nbytes):
+        return 1e-3 * super().collective_time(kind, axis, nbytes)
+
+    def grad_reduction_time(self, axis, nbytes):
+        return 1e-3 * super().grad_reduction_time(axis, nbytes)

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Shard
 
 import autoparallel
 from models import FAMILIES, batch_for, hf_model, to_meta
-from test_parity import MESHES, run_parity
+from test_parity import MESHES, run_parity, split_fraction
 
 pytest.importorskip("transformers")
 
@@ -71,3 +71,10 @@ def test_family_coverage(name):
     assert sum(counts.values()) == len(report.rows)
     assert counts.get("rule", 0) > 10
     assert not counts.get("replicate fallback"), str(report)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_parity_cheap_comm(name, sim_mesh):
+    """Communication nearly free, on (2, 2): the plan splits nearly every op."""
+    pmodel = run_parity(name, (2, 2), "cheap-comm", sim_mesh, steps=STEPS)
+    assert split_fraction(pmodel.plan) > 0.85, f"only {split_fraction(pmodel.plan):.0%} of the ops split"

@@ -1,8 +1,13 @@
 """Tier 3: real processes. 4 gloo ranks on a 2 x 2 mesh run a small GPT-2 through
 ``autoparallelize`` and check parity with the single-device model through real c10d:
 the loss and every parameter gradient after one forward+backward, and again after each
-of 3 SGD steps; then a 4-layer GPT-2 under a memory budget that needs activation
-checkpointing (one step). All checks share one spawn (start-up costs ~2 s per spawn).
+of 3 SGD steps; then on meshes that list their ranks in another order than ascending
+(collectives join pieces in process-group order, ascending by rank): [3, 2, 1, 0] data
+parallel (the batch sliced by coordinate), also on a short last batch of 3 that the mesh
+does not divide (``replan=True``), and [[3, 2], [1, 0]] with every parameter split
+(shards placed by ``distribute_tensor``); then a 4-layer GPT-2 under a memory budget that
+needs activation checkpointing (one step). All checks share one spawn (start-up costs
+~2 s per spawn).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ pytest.importorskip("transformers")
 WORLD = 4
 MESH_SHAPE = (2, 2)
 BATCH, SEQ, VOCAB = 4, 16, 128
+SHORT_BATCH = 3  # the last batch of an epoch, which no mesh axis divides
 SGD_STEPS = 3
 LR = 0.1
 RTOL, ATOL = 1e-4, 1e-5
@@ -45,9 +51,9 @@ def _tiny_gpt2(layers: int = 2):
     return model
 
 
-def _batch(step: int) -> dict:
+def _batch(step: int, size: int = BATCH) -> dict:
     g = torch.Generator().manual_seed(1000 + step)  # same draw on every rank
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -84,7 +90,7 @@ def _worker(rank: int, port: int) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
         model = _tiny_gpt2()
@@ -114,6 +120,26 @@ def _worker(rank: int, port: int) -> None:
             ref_loss = ref(**batch).loss
             ref_loss.backward()
             _check(rank, f"step {step}" + (" (after SGD)" if step else ""), loss, ref_loss, pmodel, ref_params)
+
+        # meshes listing ranks in another order: local slices in process-group order, as
+        # collectives join pieces and distribute_tensor scatters parameter shards
+        for layout, cost_model, sizes in (([3, 2, 1, 0], autoparallel.CostModel("cpu"), (BATCH, SHORT_BATCH)),
+                                          ([[3, 2], [1, 0]], cost, (BATCH,))):
+            model = _tiny_gpt2()
+            ref = copy.deepcopy(model)
+            ref_params = dict(ref.named_parameters())
+            pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=DeviceMesh("cpu", layout),
+                                                  cost_model=cost_model, replan=True)
+            for step, size in enumerate(sizes):  # the short last batch of an epoch: planned anew
+                for p in list(pmodel.parameters()) + list(ref.parameters()):
+                    p.grad = None
+                batch = _batch(step, size)
+                loss = pmodel(**batch).loss
+                loss.backward()
+                ref_loss = ref(**batch).loss
+                ref_loss.backward()
+                _check(rank, f"mesh {layout}, batch of {size}", loss, ref_loss, pmodel, ref_params)
+            assert len(pmodel.plans) == len(sizes)
 
         # a memory budget sharding alone cannot meet: recomputation through checkpoint regions
         # that contain collectives, replayed in backward on every rank

@@ -5,17 +5,21 @@ import copy
 import pytest
 import torch
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import Partial, Shard
 
 import autoparallel
-from models import ShardParams, batch_for, to_meta
+from models import CheapComm, ShardParams, batch_for, to_meta
 from models import build_model as build
 
 MESHES = [(2,), (4,), (2, 2)]
 
 
 # the cpu preset makes compute count, so that these toy models get split (on the default a100
-# preset replicating them is cheapest); it picks data parallelism for the HF models
-COST_MODELS = {"cpu": lambda: autoparallel.CostModel("cpu"), "shard-params": lambda: ShardParams("cpu")}
+# preset replicating them is cheapest); it picks data parallelism for the HF models.
+# ShardParams splits parameters (tensor parallelism), CheapComm nearly every op.
+COST_MODELS = {"cpu": lambda: autoparallel.CostModel("cpu"), "shard-params": lambda: ShardParams("cpu"),
+               "cheap-comm": lambda: CheapComm("cpu")}
+NAMES = ["mlp", "cnn", "gpt2", "llama", "bert", "t5"]
 
 
 def per_rank(t):
@@ -31,17 +35,18 @@ def loss_of(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None):
+def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8):
     """Train ``name`` (or ``ref``, a model with ``name``'s inputs) on a simulated mesh and on one
-    device side by side: the loss and every parameter gradient must agree on every rank at each
-    of ``steps`` checks, with an SGD step between checks. Returns the parallel module."""
+    device side by side, on batches of ``batch`` samples: the loss and every parameter gradient
+    must agree on every rank at each of ``steps`` checks, with an SGD step between checks.
+    Returns the parallel module."""
     mesh = sim_mesh(mesh_shape)
     ref = build(name) if ref is None else ref
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0, batch=batch)), device_mesh=mesh,
                                               cost_model=COST_MODELS[cost]())
         opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     assert pmodel.plan.collectives, "the plan should exercise communication"
@@ -49,13 +54,13 @@ def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None):
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
     assert set(pmodel.state_dict()) == set(ref.state_dict())  # non-persistent buffers stay out
     for step in range(steps):  # step 0, then again after each SGD step
-        batch = batch_for(name, step)
+        inputs = batch_for(name, step, batch=batch)
         ref_opt.zero_grad()
-        want = loss_of(ref(**batch))
+        want = loss_of(ref(**inputs))
         want.backward()
         with LocalTensorMode(ranks):
             opt.zero_grad()
-            got = loss_of(pmodel(**batch))
+            got = loss_of(pmodel(**inputs))
             got.backward()
             assert_close(f"step {step} loss", got.detach(), want.detach())
             for pname, p in pmodel.named_parameters():
@@ -68,23 +73,56 @@ def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None):
     return pmodel
 
 
-@pytest.mark.parametrize("cost", sorted(COST_MODELS))
+def split_fraction(plan):
+    """The fraction of the plan's ops whose output is split or a pending sum along some mesh
+    axis, i.e. whose work is divided among devices."""
+    ops = [n for n in plan.nodes.values() if n.op not in ("placeholder", "get_attr", "output") and n.output_specs]
+    split = [n for n in ops if any(isinstance(p, (Shard, Partial)) for spec in n.output_specs for p in spec)]
+    return len(split) / len(ops)
+
+
+@pytest.mark.parametrize("cost", ["cpu", "shard-params"])
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("name", NAMES)
 def test_parity(name, mesh_shape, cost, sim_mesh):
     if name not in ("mlp", "cnn"):
         pytest.importorskip("transformers")
     run_parity(name, mesh_shape, cost, sim_mesh)
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert", "t5"])  # LLaMA's kin: test_families
+def test_parity_cheap_comm(name, sim_mesh):
+    """Communication nearly free, on (2, 2): the plan splits nearly every op (its tail too:
+    logits, loss), not only the batch of the bulk."""
+    if name not in ("mlp", "cnn"):
+        pytest.importorskip("transformers")
+    pmodel = run_parity(name, (2, 2), "cheap-comm", sim_mesh, steps=3)
+    assert split_fraction(pmodel.plan) > 0.85, f"only {split_fraction(pmodel.plan):.0%} of the ops split"
+
+
+# batches no mesh axis divides (the short last batch of an epoch): the planner splits other dims,
+# gathered or exchanged along dims other than 0 before views; one batch size per mesh and cost model
+INDIVISIBLE = [((2,), "cpu", 3), ((2,), "shard-params", 5), ((2,), "cheap-comm", 7),
+               ((4,), "cpu", 6), ((4,), "shard-params", 3), ((4,), "cheap-comm", 5),
+               ((2, 2), "cpu", 5), ((2, 2), "shard-params", 6), ((2, 2), "cheap-comm", 3)]
+
+
+@pytest.mark.parametrize("mesh_shape,cost,batch", INDIVISIBLE,
+                         ids=["x".join(map(str, m)) + f"-{c}-b{b}" for m, c, b in INDIVISIBLE])
+def test_parity_indivisible_batch(mesh_shape, cost, batch, sim_mesh):
+    pytest.importorskip("transformers")
+    run_parity("gpt2", mesh_shape, cost, sim_mesh, steps=2, batch=batch)
+
+
 def test_outputs_keep_model_structure_and_tied_weights(sim_mesh):
     pytest.importorskip("transformers")
     mesh = sim_mesh((2, 2))
     model = build("gpt2")
+    batch = batch_for("gpt2", 0)  # outside LocalTensorMode, where a generator draws per rank
     with LocalTensorMode(frozenset(range(4))):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for("gpt2", 0)), device_mesh=mesh,
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh,
                                               cost_model=autoparallel.CostModel("cpu"))
-        out = pmodel(**batch_for("gpt2", 0))
+        out = pmodel(**batch)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert tuple(out.logits.shape) == (8, 16, 128)  # returned whole
     assert pmodel.transformer.wte.weight is pmodel.lm_head.weight

@@ -18,18 +18,59 @@ from .batch_check import BatchCheck
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
-    """This device's coordinate on each mesh axis (a LocalTensor under LocalTensorMode)."""
-    from torch.distributed._local_tensor import local_tensor_mode
+    """This device's coordinate on each mesh axis, counted as the axis' process group counts its
+    ranks (a LocalTensor under LocalTensorMode, one coordinate per simulated rank).
+
+    A collective joins pieces in process-group rank order, and torch builds the group of every
+    line of the mesh with its ranks ascending (``new_group`` and ``split_group`` sort them; an
+    axis spanning the world reuses the default group), whatever order the mesh lists them in:
+    on ``DeviceMesh("cpu", [1, 0])`` rank 0 is first in its group though ``get_coordinate()``
+    says 1. Local slices must pick pieces in the same order as the collectives join them, and
+    ``distribute_tensor`` scatters parameter shards in group order too, so that order is the
+    coordinate. It is a coordinate system only when every line along an axis orders its
+    positions alike (a descending axis, or any permutation applied to the whole axis).
+
+    Raises:
+        MeshMismatchError: lines along one mesh axis order their ranks differently (e.g.
+            ``[[0, 3], [2, 1]]``): no numbering of the devices agrees with the collectives of
+            every axis; or a process group of the mesh does not rank its members ascending.
+    """
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import local_tensor_mode, maybe_disable_local_tensor_mode
+
+    from ..errors import MeshMismatchError
 
     mode = local_tensor_mode()
-    mesh = device_mesh.mesh
+    with maybe_disable_local_tensor_mode():  # plain tensors, also under simulated ranks
+        mesh = device_mesh.mesh.cpu()
+        coords = torch.empty(*mesh.shape, mesh.ndim, dtype=torch.int64)  # per mesh position
+        for a, n in enumerate(mesh.shape):
+            lines = mesh.movedim(a, -1).reshape(-1, n)
+            order = lines.argsort(dim=1)  # each line's positions, ascending by rank
+            if not (order == order[0]).all():
+                bad = next(line for line, o in zip(lines.tolist(), order) if not (o == order[0]).all())
+                raise MeshMismatchError(
+                    f"DeviceMesh {mesh.tolist()}: its lines along mesh axis {a} order their ranks differently "
+                    f"({lines[0].tolist()} and {bad}); process groups rank their members ascending, so no "
+                    "numbering of the devices agrees with the collectives of every axis. Use a mesh whose "
+                    "lines along each axis list their ranks in the same relative order, e.g. one from "
+                    "init_device_mesh or torch.arange(world).reshape(shape)")
+            rank_in_group = torch.empty(n, dtype=torch.int64)
+            rank_in_group[order[0]] = torch.arange(n)
+            shape = [1] * mesh.ndim
+            shape[a] = n
+            coords[..., a] = rank_in_group.view(shape)
+        ranks = mode.ranks if mode is not None else [dist.get_rank()]
+        mine = {r: coords[mesh == r][0] for r in ranks}
     if mode is not None:
-        def coord(rank: int) -> torch.Tensor:
-            return (mesh == rank).nonzero()[0].to(torch.int64)
-        with mode.disable():
-            per_rank = {r: coord(r) for r in mode.ranks}
-        return mode.rank_map(lambda r: per_rank[r].clone())
-    return torch.tensor(device_mesh.get_coordinate(), dtype=torch.int64, device=device_mesh.device_type)
+        return mode.rank_map(lambda r: mine[r].clone())
+    rank = dist.get_rank()
+    groups = [device_mesh.get_local_rank(a) for a in range(mesh.ndim)]
+    if mine[rank].tolist() != groups:
+        raise MeshMismatchError(f"DeviceMesh {mesh.tolist()}: rank {rank} has rank {groups} in the process "
+                                f"groups of the mesh axes, not {mine[rank].tolist()} as groups of ascending "
+                                "ranks give")
+    return mine[rank].to(device_mesh.device_type)
 
 
 Signature = tuple[tuple, ...]

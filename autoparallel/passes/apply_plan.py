@@ -22,6 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
 
 from ..runtime_kernels import grad_bucket, param_local, returned
 from ..placement import P, R, Spec, local_shape, num_shards, partial_axes
@@ -62,51 +63,68 @@ class _Emitter:
         return self._coord_axis[a]
 
     def emit(self, x: fx.Node, shape, spec: Spec, moves: list[Move]) -> fx.Node:
-        """Emit ``moves`` converting ``x`` (global ``shape``, current ``spec``)."""
+        """Emit ``moves`` converting ``x`` (global ``shape``, current ``spec``).
+
+        Every collective leaves its result in contiguous (row-major) memory, as the value is
+        on one device, so that any consumer (a ``view``, a value returned to the user) takes it
+        as it is. A collective works along dim 0; a move along another dim ``d`` brings the
+        ``n`` pieces of ``d`` to the front before it (``unflatten`` → ``movedim`` → one copy)
+        and puts them back after it, each side one copy at most and none for dim 0."""
         for m in moves:
             a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
             loc = local_shape(shape, spec, self.mesh_shape)
             if m.kind == "all_gather":
-                t = x if m.src_dim == 0 else self.call(aten.movedim.int, x, m.src_dim, 0)
-                t = self.call(aten.contiguous.default, t)
-                x = self.wait(self.call(c10d.all_gather_into_tensor.default, t, n, grp))
-                if m.src_dim != 0:
-                    x = self.call(aten.movedim.int, x, 0, m.src_dim)
+                y = self.wait(self.call(c10d.all_gather_into_tensor.default, self.contiguous(x), n, grp))
+                x = self.pieces_back(y, m.src_dim, n, loc[0])
                 spec = spec[:a] + (R,) + spec[a + 1:]
             elif m.kind == "reduce_scatter":
-                t = x if m.dst_dim == 0 else self.call(aten.movedim.int, x, m.dst_dim, 0)
-                t = self.call(aten.contiguous.default, t)
+                t = self.pieces_front(x, m.dst_dim, n, loc)
                 x = self.wait(self.call(c10d.reduce_scatter_tensor.default, t, "sum", n, grp))
-                if m.dst_dim != 0:
-                    x = self.call(aten.movedim.int, x, 0, m.dst_dim)
-                spec = spec[:a] + (torch.distributed.tensor.Shard(m.dst_dim),) + spec[a + 1:]
+                spec = spec[:a] + (Shard(m.dst_dim),) + spec[a + 1:]
             elif m.kind == "all_reduce":
-                t = self.call(aten.contiguous.default, x)
-                x = self.wait(self.call(c10d.all_reduce.default, t, "sum", grp))
+                x = self.wait(self.call(c10d.all_reduce.default, self.contiguous(x), "sum", grp))
                 spec = spec[:a] + (R,) + spec[a + 1:]
             elif m.kind == "all_to_all":
                 d, d2 = m.src_dim, m.dst_dim
-                t = self.call(aten.contiguous.default, self.call(aten.movedim.int, x, d2, 0))
-                chunk = loc[d2] // n
-                y = self.wait(self.call(c10d.all_to_all_single.default, t, [chunk] * n, [chunk] * n, grp))
-                pieces = self.call(aten.split.Tensor, y, chunk, 0)
-                items = [self.call(operator.getitem, pieces, i) for i in range(n)]
-                pos = d + 1 if d < d2 else d
-                x = self.call(aten.movedim.int, self.call(aten.cat.default, items, pos), 0, d2)
-                spec = spec[:a] + (torch.distributed.tensor.Shard(d2),) + spec[a + 1:]
+                rows = (loc[0] // n) if d2 == 0 else loc[0]  # dim 0 of one piece
+                t = self.pieces_front(x, d2, n, loc)
+                y = self.wait(self.call(c10d.all_to_all_single.default, t, [rows] * n, [rows] * n, grp))
+                x = self.pieces_back(y, d, n, rows)
+                spec = spec[:a] + (Shard(d2),) + spec[a + 1:]
             elif m.kind == "slice":
                 d = m.dst_dim
                 u = self.call(aten.unflatten.int, x, d, [n, loc[d] // n])
                 x = self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
-                spec = spec[:a] + (torch.distributed.tensor.Shard(d),) + spec[a + 1:]
+                spec = spec[:a] + (Shard(d),) + spec[a + 1:]
             elif m.kind == "mask":
-                if a not in self._first:
-                    self._first[a] = self.call(aten.eq.Scalar, self.coord_of(a), 0)
+                if a not in self._first:  # 0-d: the product keeps x's shape, a 0-d x included
+                    self._first[a] = self.call(aten.eq.Scalar, self.call(aten.select.int, self.coord, 0, a), 0)
                 x = self.call(aten.mul.Tensor, x, self._first[a])
                 spec = spec[:a] + (P,) + spec[a + 1:]
             else:
                 raise ValueError(f"unknown move {m.kind}")
         return x
+
+    def contiguous(self, x: fx.Node) -> fx.Node:
+        return self.call(aten.contiguous.default, x)
+
+    def pieces_front(self, x: fx.Node, d: int, n: int, loc) -> fx.Node:
+        """``x`` (local shape ``loc``) with the ``n`` pieces of dim ``d`` one after the other
+        along dim 0, each piece contiguous: the input of a collective that sends piece ``i``
+        to the ``i``-th device of the group."""
+        if d == 0:
+            return self.contiguous(x)
+        u = self.call(aten.movedim.int, self.call(aten.unflatten.int, x, d, [n, loc[d] // n]), d, 0)
+        return self.call(aten.flatten.using_ints, self.contiguous(u), 0, 1)
+
+    def pieces_back(self, y: fx.Node, d: int, n: int, rows: int) -> fx.Node:
+        """Inverse of :meth:`pieces_front` on the output of a collective: ``y`` holds ``n``
+        pieces of ``rows`` rows along dim 0, the ``i``-th from the ``i``-th device of the
+        group; joined along dim ``d`` in that order (one copy unless ``d`` is 0)."""
+        if d == 0:
+            return y
+        u = self.call(aten.movedim.int, self.call(aten.unflatten.int, y, 0, [n, rows]), 0, d)
+        return self.call(aten.flatten.using_ints, u, d, d + 1)
 
 
 def _replace_device(v, traced_on: str, device: str):
@@ -267,5 +285,5 @@ def _mean_pieces(node: fx.Node, np_, mesh_shape) -> int:
     n = 1
     for d in {x % nd for x in dims}:
         n *= math.prod(mesh_shape[a] for a, p in enumerate(spec)
-                       if isinstance(p, torch.distributed.tensor.Shard) and p.dim == d)
+                       if isinstance(p, Shard) and p.dim == d)
     return n
