@@ -177,6 +177,7 @@ class ParallelModule(nn.Module):
                  buffer_names: dict[str, list[str]], constants: dict[str, torch.Tensor],
                  buffer_mutations: dict[int, str] | None = None, check_batch_every: int = 100):
         super().__init__()
+        self.__dict__["_coord"] = _mesh_coord(device_mesh)  # first: it refuses meshes no numbering fits
         self.plan = plan
         self.device_mesh = device_mesh
         self.training = model.training
@@ -208,7 +209,6 @@ class ParallelModule(nn.Module):
         for target, value in constants.items():  # lifted by capture: not the model's state
             set_attr(self, target, value.to(device), persistent=False)
         self._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
-        self.__dict__["_coord"] = _mesh_coord(device_mesh)
         if graph is not None:  # else the caller adds the first variant (autoparallel.api.emit does)
             self.add_variant(fx.GraphModule(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
                              out_spec=out_spec, input_meta=input_meta, buffer_mutations=buffer_mutations)
