@@ -1,4 +1,4 @@
-# autoparallel: make demo | make test | make bench | make clean
+# autoparallel: make demo | make test | make test-fast | make bench | make clean
 
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: test demo bench clean venv
+.PHONY: test test-fast demo bench clean venv
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest tests -x -q --durations=15
+
+# everyday tier: no real processes, no parity matrices over every model, mesh and cost model
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -x -q -m "not slow and not multiprocess" --durations=10
 
 demo: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py

@@ -213,6 +213,7 @@ def test_other_mutations_are_refused(model, match):
         autoparallel.plan(model, (torch.empty(8, 4, device="meta"),), mesh_shape=(2,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
 def test_timm_resnet18_train_parity(mesh_shape, sim_mesh):
     pytest.importorskip("timm", reason="timm (with torchvision==0.28.0) comes with the test extras")

@@ -36,6 +36,7 @@ def _splits(plan):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", NAMES)
 def test_family_parity(name, mesh_shape, sim_mesh):
@@ -43,6 +44,7 @@ def test_family_parity(name, mesh_shape, sim_mesh):
     assert _splits(pmodel.plan), "the plan should split some tensor"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARD_PARAMS)
 def test_family_parity_shard_params(name, sim_mesh):
     pmodel = run_parity(name, (2, 2), "shard-params", sim_mesh, steps=STEPS)
@@ -73,6 +75,7 @@ def test_family_coverage(name):
     assert not counts.get("replicate fallback"), str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_family_parity_cheap_comm(name, sim_mesh):
     """Communication nearly free, on (2, 2): the plan splits nearly every op."""

@@ -116,6 +116,7 @@ def _checkpointed(mesh_shape, sim_mesh, frac=0.7):
     return ref, pmodel, batch, budget, ranks
 
 
+@pytest.mark.slow
 def test_checkpointing_parity_and_measured_peak(sim_mesh):
     from torch.distributed._local_tensor import LocalTensorMode
 

@@ -81,6 +81,7 @@ def split_fraction(plan):
     return len(split) / len(ops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cost", ["cpu", "shard-params"])
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", NAMES)
@@ -90,6 +91,7 @@ def test_parity(name, mesh_shape, cost, sim_mesh):
     run_parity(name, mesh_shape, cost, sim_mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert", "t5"])  # LLaMA's kin: test_families
 def test_parity_cheap_comm(name, sim_mesh):
     """Communication nearly free, on (2, 2): the plan splits nearly every op (its tail too:
@@ -109,6 +111,7 @@ INDIVISIBLE = [((2,), "cpu", 3), ((2,), "shard-params", 5), ((2,), "cheap-comm",
 
 @pytest.mark.parametrize("mesh_shape,cost,batch", INDIVISIBLE,
                          ids=["x".join(map(str, m)) + f"-{c}-b{b}" for m, c, b in INDIVISIBLE])
+@pytest.mark.slow
 def test_parity_indivisible_batch(mesh_shape, cost, batch, sim_mesh):
     pytest.importorskip("transformers")
     run_parity("gpt2", mesh_shape, cost, sim_mesh, steps=2, batch=batch)

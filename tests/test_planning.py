@@ -185,6 +185,7 @@ def test_lp_relaxation_fractional_falls_back_to_integer_solve():
     assert sol.stats["solver"] == "cbc" and sol.stats["status"] == "Optimal" and sol.stats["gap"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cost", [CostModel, ShardParams])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_block_sharing_loses_nothing(name, cost):

@@ -28,6 +28,7 @@ def check_step(pmodel, ref, batch, ranks, what):
             assert_close(f"{what} grad of {name} {p.placements}", p.grad.full_tensor(), ref_params[name].grad)
 
 
+@pytest.mark.slow
 def test_gpt2_replans_smaller_batch_and_sequence(sim_mesh):
     pytest.importorskip("transformers")
     mesh = sim_mesh((2, 2))

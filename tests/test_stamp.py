@@ -124,6 +124,7 @@ def test_stamped_plan_costs_the_same():
     assert a.solver_stats["objective_s"] == pytest.approx(b.solver_stats["objective_s"], rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,cost", [((2, 2), "shard-params"), ((4,), "cpu")])
 def test_stamped_module_parity(sim_mesh, mesh_shape, cost):
     """GPT-2 with 6 layers (2 stamped): loss and every gradient equal to one device, before

@@ -17,12 +17,14 @@ timm = pytest.importorskip("timm")
 STEPS = 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_timm_vit_parity(mesh_shape, sim_mesh):
     pmodel = run_parity("timm_vit", mesh_shape, "cpu", sim_mesh, steps=STEPS)
     assert _splits(pmodel.plan), "the plan should split some tensor"
 
 
+@pytest.mark.slow
 def test_timm_vit_parity_shard_params(sim_mesh):
     """Parameters split wherever the planner can (timm's fused qkv, reshaped to heads and
     unbound): the tensor-parallel rules on a model written outside transformers."""
