@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -17,15 +16,11 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from test_multiprocess import _free_port
+
 pytest.importorskip("transformers")
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _DropoutMLP(nn.Module):

@@ -29,7 +29,8 @@ from autoparallel.solver import CostModel
 from autoparallel.solver.planner import Planner
 from autoparallel.strategies import StrategyGenerator, tensor_inputs
 from autoparallel.strategies.coverage import FALLBACK, RULE, coverage_of
-from autoparallel.strategies.rules import REPLICATE_ONLY, RULES, pointwise_dimmap
+from autoparallel.strategies.engine import DimMap
+from autoparallel.strategies.rules import REPLICATE_ONLY, RULES, op_args, pointwise_dimmap
 from autoparallel.tracer import ColoTracer
 
 aten = torch.ops.aten
@@ -90,6 +91,13 @@ SAMPLES = {
                                            F.cross_entropy(x, t, ignore_index=3, reduction="sum")),
                              [(8, 10), _int(10, 8)]),
     "cross_entropy_none": (lambda x, t: F.cross_entropy(x, t, reduction="none"), [(8, 10), _int(10, 8)]),
+    # split batch with weight and label smoothing: the local sum over the global denominator
+    "cross_entropy_weight_smoothing": (
+        lambda x, t, w: (F.cross_entropy(x, t, weight=w.detach().abs() + 0.5, label_smoothing=0.1),
+                         F.cross_entropy(x, t.masked_fill(t > 6, -100), weight=w.detach().abs() + 0.5),
+                         F.cross_entropy(x, t, label_smoothing=0.2, ignore_index=3),
+                         F.cross_entropy(x, t, weight=w.detach(), label_smoothing=0.1, reduction="sum")),
+        [(8, 10), _int(10, 8), (10,)]),
     # per-element losses: split whatever weight, ignore_index and label_smoothing are
     "cross_entropy_none_weight_smoothing": (
         lambda x, t, w, xk, tk: (F.cross_entropy(x, t, weight=w.detach(), reduction="none"),
@@ -350,36 +358,42 @@ def test_every_rule_op_has_a_sample():
     assert REPLICATE_ONLY & seen
 
 
-class _SmoothedClassifier(torch.nn.Module):
-    """Cross-entropy with label smoothing and with class weights, mean-reduced: batch-split,
-    codegen's local sum would drop both (see cross_entropy_rule), so no rule covers them."""
+class _HuberLosses(torch.nn.Module):
+    """Two huber losses: one with the default delta, one with another."""
 
     def __init__(self):
         super().__init__()
         self.proj = torch.nn.Linear(16, 10)
-        self.register_buffer("class_weight", torch.rand(10))
 
-    def forward(self, x, t):
-        logits = self.proj(x)
-        return (F.cross_entropy(logits, t, label_smoothing=0.1) + F.cross_entropy(logits, t, weight=self.class_weight)
-                + F.cross_entropy(logits, t))
+    def forward(self, x, y):
+        z = self.proj(x)
+        return F.huber_loss(z, y) + F.huber_loss(z, y, delta=2.0)
 
 
-def test_a_node_no_rule_covers_is_a_fallback_everywhere():
-    """The generator records it (plan.solver_stats["fallback_ops"]), coverage() reports it as
-    a replicate fallback beside the op's covered node, and strict=True raises for it."""
-    model = _SmoothedClassifier()
-    inputs = (torch.empty(8, 16, device="meta"), torch.empty(8, dtype=torch.long, device="meta"))
+def _huber_rule(node, in_shapes, out_shapes):
+    """A rule (for this test only) that covers delta 1 (everything replicated) and gives
+    nothing for any other delta."""
+    if op_args(node)["delta"] != 1.0:
+        return None
+    return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * len(s) for s in out_shapes],
+                  list(in_shapes), list(out_shapes))
+
+
+def test_a_node_no_rule_covers_is_a_fallback_everywhere(monkeypatch):
+    """A rule that gives nothing for a node (and DTensor's registry has no entry): the
+    generator records it (plan.solver_stats["fallback_ops"]), coverage() reports it as a
+    replicate fallback beside the op's covered node, and strict=True raises for it."""
+    op = "aten.huber_loss.default"
+    monkeypatch.setitem(RULES, aten.huber_loss.default, _huber_rule)
+    model = _HuberLosses()
+    inputs = (torch.empty(8, 16, device="meta"), torch.empty(8, 10, device="meta"))
     traced = ColoTracer().trace(model, inputs)
-    op = "aten.cross_entropy_loss.default"
     gen = StrategyGenerator((4,))
-    strategies = gen.generate(traced.gm)
+    gen.generate(traced.gm)
     assert set(gen.fallbacks) == {op}
-    losses = [n for n in strategies if n.target == aten.cross_entropy_loss.default]
-    assert [len(strategies[n]) for n in losses] == [1, 1, 2]  # only the plain one splits its batch
     rows = {(r.op, r.source): r.nodes for r in coverage_of(traced.gm).rows}
-    assert rows[(op, FALLBACK)] == 2 and rows[(op, RULE)] == 1
-    with pytest.raises(ShardingRuleError, match=r"aten\.cross_entropy_loss\.default \(used in: <root>\)"):
+    assert rows[(op, FALLBACK)] == 1 and rows[(op, RULE)] == 1
+    with pytest.raises(ShardingRuleError, match=r"aten\.huber_loss\.default \(used in: <root>\)"):
         StrategyGenerator((4,), strict=True).generate(traced.gm)
     plan = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False)
     assert plan.solver_stats["fallback_ops"] == [op]

@@ -30,6 +30,7 @@ from ..plan import Plan
 from ..solver.layout import Move
 from ..solver.planner import output_leaves
 from ..strategies import tensor_inputs
+from ..strategies.rules import bind_args
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -258,32 +259,24 @@ def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
 
 
 def _split_batch_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:
-    """cross_entropy on a batch split over mesh axes: the local sum, divided for 'mean' by
-    the global count of kept (non-ignored) targets."""
-    names = ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
-    vals = dict(zip(names, args))
-    vals.update(kwargs)
-    x, t = vals["self"], vals["target"]
-    ignore = vals.get("ignore_index", -100)
-    reduction = vals.get("reduction", 1)
-    loss = graph.call_function(aten.cross_entropy_loss.default, (x, t, None, 2, ignore))
-    if reduction == 2:
+    """cross_entropy on a batch split over mesh axes: the local sum (weight, ignore_index and
+    label_smoothing as given), divided for 'mean' by the global denominator torch uses: the
+    count of kept (not ignored) targets, or with a weight the sum of their classes' weights."""
+    a = bind_args(aten.cross_entropy_loss.default, args, kwargs)
+    x, t, w, ignore = a["self"], a["target"], a["weight"], a["ignore_index"]
+    loss = graph.call_function(aten.cross_entropy_loss.default, (x, t, w, 2, ignore, a["label_smoothing"]))
+    if a["reduction"] == 2:
         return loss
     kept = graph.call_function(aten.ne.Scalar, (t, ignore))
-    cnt = graph.call_function(aten.sum.default, (kept,))
-    cnt = graph.call_function(aten._to_copy.default, (cnt,), {"dtype": torch.float32})
-    for a in partial_axes(out_spec):
-        cnt = em.wait(em.call(c10d.all_reduce.default, cnt, "sum", em.groups[a]))
-    return graph.call_function(aten.div.Tensor, (loss, cnt))
-
-
-def _mean_pieces(node: fx.Node, np_, mesh_shape) -> int:
-    """Into how many pieces the reduced dims of a mean are split."""
-    nd = len(np_.in_shapes[0])
-    dims = node.args[1] if node.target == aten.mean.dim else list(range(nd))
-    spec = np_.input_specs[0]
-    n = 1
-    for d in {x % nd for x in dims}:
-        n *= math.prod(mesh_shape[a] for a, p in enumerate(spec)
-                       if isinstance(p, Shard) and p.dim == d)
-    return n
+    if w is None:
+        den = graph.call_function(aten.sum.default, (kept,))
+        den = graph.call_function(aten._to_copy.default, (den,), {"dtype": torch.float32})
+    else:  # the weight of each kept target's class, 0 for ignored ones
+        cls = graph.call_function(aten.where.ScalarOther, (kept, t, 0))
+        wt = graph.call_function(aten.index_select.default, (w, 0, graph.call_function(aten.reshape.default,
+                                                                                       (cls, [-1]))))
+        flat = graph.call_function(aten.reshape.default, (kept, [-1]))
+        den = graph.call_function(aten.sum.default, (graph.call_function(aten.mul.Tensor, (wt, flat)),))
+    for ax in partial_axes(out_spec):
+        den = em.wait(em.call(c10d.all_reduce.default, den, "sum", em.groups[ax]))
+    return graph.call_function(aten.div.Tensor, (loss, den))

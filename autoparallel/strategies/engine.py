@@ -55,6 +55,8 @@ class DimMap:
         in_shapes / out_shapes: the global shapes, used for the divisibility check.
         reduce: labels summed over by the op.
         partial: groups of input positions in which the op is linear.
+        whole: input positions held replicated whatever the mesh axes split (a class
+            weight read by every term of the sum, unlike a bias added after it).
     """
 
     inputs: list[tuple[Label | None, ...]]
@@ -63,10 +65,13 @@ class DimMap:
     out_shapes: list[tuple[int, ...]]
     reduce: frozenset = frozenset()
     partial: list[frozenset[int]] = field(default_factory=list)
+    whole: frozenset[int] = frozenset()
 
 
 def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
-              pos: int) -> Spec | None:
+              pos: int, whole: frozenset = frozenset()) -> Spec | None:
+    if is_input and pos in whole:
+        return (R,) * len(assign)
     spec = []
     for kind, val in assign:
         if kind is None:
@@ -113,7 +118,7 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
         # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
         if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
             continue
-        ins = [_spec_for(labs, assign, dm.reduce, True, i) for i, labs in enumerate(dm.inputs)]
+        ins = [_spec_for(labs, assign, dm.reduce, True, i, dm.whole) for i, labs in enumerate(dm.inputs)]
         outs = [_spec_for(labs, assign, dm.reduce, False, i) for i, labs in enumerate(dm.outputs)]
         if any(s is None for s in outs):
             continue

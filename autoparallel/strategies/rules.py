@@ -59,35 +59,40 @@ def tensor_inputs(node: fx.Node) -> list[tuple[int, fx.Node]]:
 
 
 def op_args(node: fx.Node) -> dict[str, Any]:
-    """Every argument of ``node``'s ATen op by its schema name, defaults filled in.
+    """:func:`bind_args` of ``node``'s op, arguments and kwargs."""
+    return bind_args(node.target, node.args, node.kwargs, where=f" (node {node.name})")
 
-    ``node.args`` bind to the schema's positional arguments in order and ``node.kwargs`` by
-    name, as the dispatcher binds them; an argument given neither way takes the schema's
-    default. Rules read scalar arguments only through this, never by position: where an
+
+def bind_args(op, args, kwargs, where: str = "") -> dict[str, Any]:
+    """Every argument of the ATen ``op`` called with ``args`` and ``kwargs``, by its schema
+    name, defaults filled in.
+
+    ``args`` bind to the schema's positional arguments in order and ``kwargs`` by name, as
+    the dispatcher binds them; an argument given neither way takes the schema's default.
+    Rules and passes read scalar arguments only through this, never by position: where an
     argument sits differs between ops (``flip(self, dims)`` but ``roll(self, shifts, dims)``;
-    ``norm(self, p, dim)`` but ``sum(self, dim)``).
+    ``norm(self, p, dim)`` but ``sum(self, dim)``). ``where`` is appended to ``op`` in errors.
 
     Raises:
-        TypeError: ``node.target`` has no schema, or the node passes an argument the schema
-            does not have, or omits a required one.
+        TypeError: ``op`` has no schema, or the call passes an argument the schema does not
+            have, or omits a required one.
     """
-    schema = getattr(node.target, "_schema", None)
+    schema = getattr(op, "_schema", None)
     if schema is None:
-        raise TypeError(f"{node.target} (node {node.name}) is not an ATen op with a schema")
+        raise TypeError(f"{op}{where} is not an ATen op with a schema")
     positional = [a for a in schema.arguments if not a.kwarg_only]
-    if len(node.args) > len(positional):
-        raise TypeError(f"{node.target} (node {node.name}): {len(node.args)} positional arguments, "
-                        f"the schema has {len(positional)}")
-    out = {a.name: v for a, v in zip(positional, node.args)}
+    if len(args) > len(positional):
+        raise TypeError(f"{op}{where}: {len(args)} positional arguments, the schema has {len(positional)}")
+    out = {a.name: v for a, v in zip(positional, args)}
     names = {a.name for a in schema.arguments}
-    for k, v in node.kwargs.items():
+    for k, v in kwargs.items():
         if k not in names or k in out:
-            raise TypeError(f"{node.target} (node {node.name}): unexpected or repeated argument {k!r}")
+            raise TypeError(f"{op}{where}: unexpected or repeated argument {k!r}")
         out[k] = v
     for a in schema.arguments:
         if a.name not in out:
             if not a.has_default_value():
-                raise TypeError(f"{node.target} (node {node.name}): required argument {a.name!r} missing")
+                raise TypeError(f"{op}{where}: required argument {a.name!r} missing")
             out[a.name] = a.default_value
     return out
 
@@ -513,26 +518,23 @@ def cross_entropy_rule(node, in_shapes, out_shapes):
     split, the classes stay whole (a ``weight`` is replicated).
 
     ``reduction='none'``: the loss of every element is its own, so the output is split like
-    the target, whatever ``weight``, ``ignore_index`` and ``label_smoothing`` are.
-    ``'sum'`` and ``'mean'``: the output is ``Partial``; codegen computes the local sum and,
-    for 'mean', divides it by the global count of kept targets (not ignored). That is the
-    loss only without ``weight`` (the mean divides by the kept targets' weights) and with
-    ``label_smoothing=0`` (codegen's local call passes neither), so with either the rule
-    returns ``None``: the node runs replicated, reported as a fallback. An unbatched input
+    the target. ``'sum'`` and ``'mean'``: the output is ``Partial``; codegen computes the
+    local sum (with the op's ``weight``, ``ignore_index`` and ``label_smoothing``) and, for
+    'mean', divides it by the global denominator torch divides by: the count of kept
+    (not ignored) targets, or with ``weight`` the sum of their classes' weights (smoothing
+    terms included, as in torch's ``cross_entropy`` with label smoothing). An unbatched input
     ``(C,)`` has nothing to split: replicated."""
     x, t = in_shapes[0], in_shapes[1]
-    a = op_args(node)
     if len(x) < 2:
         return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * len(s) for s in out_shapes],
                       list(in_shapes), list(out_shapes))
     lx = ("n", None) + tuple(f"s{i}" for i in range(len(x) - 2))
     lt = ("n",) + tuple(f"s{i}" for i in range(len(t) - 1))
     lw = [(None,) * len(s) for s in in_shapes[2:]]  # the weight, when given
-    if a["reduction"] == 0:
+    if op_args(node)["reduction"] == 0:
         return DimMap([lx, lt] + lw, [lt], list(in_shapes), list(out_shapes))
-    if a["weight"] is not None or a["label_smoothing"]:
-        return None
-    return DimMap([lx, lt], [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None})
+    return DimMap([lx, lt] + lw, [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None},
+                  whole=frozenset(range(2, len(in_shapes))))
 
 
 # creation ops and index: replicated by rule (the consumer slices locally for free)
