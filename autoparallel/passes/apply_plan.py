@@ -30,7 +30,7 @@ from ..plan import Plan
 from ..solver.layout import Move
 from ..solver.planner import output_leaves
 from ..strategies import tensor_inputs
-from ..strategies.rules import bind_args
+from ..strategies.rules import bind_args, op_args
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -280,3 +280,16 @@ def _split_batch_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> f
     for ax in partial_axes(out_spec):
         den = em.wait(em.call(c10d.all_reduce.default, den, "sum", em.groups[ax]))
     return graph.call_function(aten.div.Tensor, (loss, den))
+
+
+def _mean_pieces(node: fx.Node, np_, mesh_shape) -> int:
+    """Into how many pieces the reduced dims of a mean are split."""
+    nd = len(np_.in_shapes[0])
+    dims = op_args(node)["dim"] if node.target == aten.mean.dim else None
+    dims = list(range(nd)) if dims is None else dims
+    spec = np_.input_specs[0]
+    n = 1
+    for d in {x % nd for x in dims}:
+        n *= math.prod(mesh_shape[a] for a, p in enumerate(spec)
+                       if isinstance(p, Shard) and p.dim == d)
+    return n
