@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -x -q --durations=15
+	$(PY) -m pytest tests -x --durations=15
 
 # everyday tier: no real processes, no parity matrices over every model, mesh and cost model
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -x -q -m "not slow and not multiprocess" --durations=10
+	$(PY) -m pytest tests -x -m "not slow and not multiprocess" --durations=10
 
 demo: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py
