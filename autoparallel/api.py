@@ -346,12 +346,13 @@ def _plan_on_rank0(traced, mesh: MeshSpec, options: dict, pinned=None) -> Plan:
 def _rank0_error(kind: str, message: str) -> Exception:
     """The exception rank 0 raised while planning, rebuilt from its type name and message."""
     cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(f"{message} (raised while planning on rank 0)")
-        except TypeError:  # a constructor that takes other arguments
-            pass
-    return AutoParallelError(f"planning on rank 0 raised {kind}: {message}")
+    fallback = AutoParallelError(f"planning on rank 0 raised {kind}: {message}")
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return fallback
+    try:
+        return cls(f"{message} (raised while planning on rank 0)")
+    except TypeError:  # a constructor that takes other arguments
+        return fallback
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:

@@ -49,7 +49,7 @@ from .plan import Move, Plan
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, parse_bytes
-from .solver.planner import _aliased_edges, _op_name, output_leaves
+from .solver.planner import aliased_edges, op_name, output_leaves
 from .solver.remat import chain_stages
 from .strategies import StrategyGenerator, tensor_inputs
 from .tracer.annotate import node_info
@@ -65,7 +65,7 @@ def _mismatch(where: str, what: str, expected=None, found=None) -> PlanMismatchE
 
 def _node_where(node: fx.Node) -> str:
     path = node.meta["autoparallel"].module_path if "autoparallel" in node.meta else ""
-    return f"node {node.name} ({_op_name(node)}, module {path or '<root>'})"
+    return f"node {node.name} ({op_name(node)}, module {path or '<root>'})"
 
 
 def _fmt(spec: Spec, shape) -> str:
@@ -121,7 +121,7 @@ def _check_node(plan: Plan, node: fx.Node, strategies, aliases, ms, allowed: dic
     np_ = plan.nodes[node.name]
     info = node_info(node)
     alias = aliases.get(node)
-    op = "getitem" if alias else _op_name(node)
+    op = "getitem" if alias else op_name(node)
     if np_.op != op:
         raise _mismatch(where, "op", op, np_.op)
     if np_.module_path != info.module_path:
@@ -220,7 +220,7 @@ def _edges(gm: fx.GraphModule, strategies, aliases):
 
 def _check_conversions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) -> None:
     edges = _edges(gm, strategies, aliases)
-    pinned = {(n.name, j) for n, j in _aliased_edges(list(strategies))}
+    pinned = {(n.name, j) for n, j in aliased_edges(list(strategies))}
     repl = (R,) * len(ms)
     seen = {}
     for i, c in enumerate(plan.conversions):

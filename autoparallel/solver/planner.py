@@ -32,7 +32,7 @@ def _local_bytes(shape, dtype, spec, mesh_shape) -> int:
     return math.prod(local_shape(shape, spec, mesh_shape)) * dtype.itemsize
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
     if node.op in ("placeholder", "get_attr"):
         return node.op
     return getattr(node.target, "__name__", str(node.target))
@@ -67,7 +67,7 @@ class Planner:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
         self._block = {n: block_key(n) for n in self.nodes}
-        self._pinned = _aliased_edges(self.nodes)
+        self._pinned = aliased_edges(self.nodes)
         self.template = find_repeated_blocks(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
         self.memory = memory
 
@@ -106,7 +106,7 @@ class Planner:
 
     def _edge_cost(self, key, val, rg, src: Spec, dst: Spec) -> float:
         """Conversion seconds on edge ``key`` = (consumer, input, producer, output index);
-        impossible on edges into in-place ops and their view chains (see _aliased_edges)."""
+        impossible on edges into in-place ops and their view chains (see aliased_edges)."""
         if src != dst and (key[0], key[1]) in self._pinned:
             return math.inf
         return self._convert(val, rg, src, dst)[0]
@@ -374,7 +374,7 @@ class Planner:
             s = choice[node]
             compute, comm, mem = self.node_cost(node, s)
             nodes[node.name] = NodePlan(
-                node.name, _op_name(node), info.module_path,
+                node.name, op_name(node), info.module_path,
                 [tuple(x.meta["val"].shape) for _, x in tensor_inputs(node)] if node.op == "call_function" else [],
                 [sh for sh, _ in info.outputs], list(s.inputs), list(s.outputs), compute, comm, mem)
         conversions = []
@@ -416,7 +416,7 @@ _VIEW_OPS = {aten.view.default, aten.slice.Tensor, aten.select.int, aten.transpo
              aten.as_strided.default, aten.t.default, aten.diagonal.default, aten.narrow.default}
 
 
-def _aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
+def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
     """(consumer, input position) edges that must not be resharded: the mutated argument of
     an in-place op, and every view edge back to the tensor it aliases. A conversion there
     would make the op write into a copy, silently losing the mutation."""
