@@ -49,9 +49,10 @@ from .plan import Move, Plan
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, parse_bytes
-from .solver.planner import aliased_edges, op_name, output_leaves
+from .graph import output_leaves, tensor_inputs
+from .solver.planner import aliased_edges, op_name
 from .solver.remat import chain_stages
-from .strategies import StrategyGenerator, tensor_inputs
+from .strategies import StrategyGenerator
 from .tracer.annotate import node_info
 
 _HINT = ("the plan was made for another model, other input shapes or another mesh, or was edited; make one "

@@ -1,6 +1,5 @@
 """Rotor's dynamic program against baselines, brute force over region trees, and its clock."""
 
-import itertools
 import math
 import time
 

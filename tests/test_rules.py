@@ -27,10 +27,11 @@ from autoparallel.mesh import MeshSpec
 from autoparallel.placement import R
 from autoparallel.solver import CostModel
 from autoparallel.solver.planner import Planner
-from autoparallel.strategies import StrategyGenerator, tensor_inputs
+from autoparallel.graph import op_args, tensor_inputs
+from autoparallel.strategies import StrategyGenerator
 from autoparallel.strategies.coverage import FALLBACK, RULE, coverage_of
 from autoparallel.strategies.engine import DimMap
-from autoparallel.strategies.rules import REPLICATE_ONLY, RULES, op_args, pointwise_dimmap
+from autoparallel.strategies.rules import REPLICATE_ONLY, RULES, pointwise_dimmap
 from autoparallel.tracer import ColoTracer
 
 aten = torch.ops.aten

@@ -28,9 +28,7 @@ from ..runtime_kernels import grad_bucket, param_local, returned
 from ..placement import P, R, Spec, local_shape, num_shards, partial_axes
 from ..plan import Plan
 from ..solver.layout import Move
-from ..solver.planner import output_leaves
-from ..strategies import tensor_inputs
-from ..strategies.rules import bind_args, op_args
+from ..graph import bind_args, op_args, output_leaves, tensor_inputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

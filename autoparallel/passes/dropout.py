@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from ..graph import op_args
 from ..plan import Plan
 from ..runtime_kernels import random as rk
 
@@ -40,17 +41,14 @@ KERNELS = {
 _SDPA_MASK_DIMS = (0, 1, 2)  # the attention weights [b, h, q, k] share the output's [b, h, q] split
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _draws(node: fx.Node) -> bool:
     """Whether the op draws random numbers (dropout with p > 0 in training, SDPA with dropout)."""
     t = node.target
     if t in (aten.dropout.default, aten.native_dropout.default):
-        return _arg(node, 2, "train") is not False and _arg(node, 1, "p") != 0
+        a = op_args(node)
+        return a["train"] is not False and a["p"] != 0
     if t == aten.scaled_dot_product_attention.default:
-        return _arg(node, 4, "dropout_p", 0.0) != 0
+        return op_args(node)["dropout_p"] != 0
     return t in KERNELS
 
 

@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..placement import Spec, local_shape
-from ..strategies import tensor_inputs
+from ..graph import tensor_inputs
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 

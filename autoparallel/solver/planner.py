@@ -14,7 +14,8 @@ from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape, partial_axes
 from ..errors import InfeasiblePlanError
 from ..plan import Conversion, NodePlan, Plan
-from ..strategies import Strategy, tensor_inputs
+from ..graph import output_leaves, tensor_inputs
+from ..strategies import Strategy
 from ..tracer.annotate import node_info
 from .blocks import block_key, find_repeated_blocks
 from .costs import CostModel
@@ -438,12 +439,6 @@ def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
                     pinned.add((x, 0))
                     x = tensor_inputs(x)[0][1]
     return pinned
-
-
-def output_leaves(out: fx.Node) -> list[fx.Node]:
-    """The tensors the graph returns, in order (the output's conversions are indexed by this)."""
-    return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
-            and isinstance(x.meta.get("val"), torch.Tensor)]
 
 
 def _classes(specs: list[Spec]) -> tuple[list[int], list[Spec]]:

@@ -2,6 +2,6 @@
 
 from .engine import DimMap, Strategy, enumerate_strategies
 from .generator import StrategyGenerator
-from .rules import RULES, tensor_inputs
+from .rules import RULES
 
-__all__ = ["DimMap", "Strategy", "enumerate_strategies", "StrategyGenerator", "RULES", "tensor_inputs"]
+__all__ = ["DimMap", "Strategy", "enumerate_strategies", "StrategyGenerator", "RULES"]

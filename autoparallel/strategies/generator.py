@@ -15,7 +15,8 @@ from ..errors import ShardingRuleError
 from ..placement import P, R
 from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy, enumerate_strategies
-from .rules import REPLICATE_ONLY, RULES, tensor_inputs
+from ..graph import tensor_inputs
+from .rules import REPLICATE_ONLY, RULES
 from .torch_registry import registry_strategies
 
 RULE = "rule"

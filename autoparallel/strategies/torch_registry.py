@@ -79,7 +79,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 
 from ..placement import P, R, Spec
 from .engine import Strategy
-from .rules import tensor_inputs
+from ..graph import tensor_inputs
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import CaptureError
+from ..graph import op_args
 from .annotate import module_path
 
 aten = torch.ops.aten
@@ -49,10 +50,6 @@ def call_like(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Nod
     return node
 
 
-def _arg(node: fx.Node, i: int, name: str):
-    return node.args[i] if i < len(node.args) else node.kwargs.get(name)
-
-
 def alias_base(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` uses: through views, in-place ops and getitems."""
     while node.op == "call_function":
@@ -66,7 +63,7 @@ def alias_base(node: fx.Node) -> fx.Node:
         src = None
         for i, a in enumerate(schema.arguments):
             if a.alias_info is not None and (not sets or a.alias_info.before_set & sets):
-                src = _arg(node, i, a.name)
+                src = op_args(node)[a.name]
                 break
         if not isinstance(src, fx.Node):
             return node
@@ -138,7 +135,8 @@ def functionalize_state(graph: fx.Graph, state: dict[fx.Node, tuple[str, str]]) 
             if base is not node and base in holds:
                 views[node] = holds[base]
             continue
-        written = [(i, _arg(node, i, a.name)) for i, a in enumerate(schema.arguments)
+        bound = op_args(node)
+        written = [(i, bound[a.name]) for i, a in enumerate(schema.arguments)
                    if a.alias_info is not None and a.alias_info.is_write]
         for i, x in written:
             if isinstance(x, (list, tuple)):  # e.g. _foreach_mul_: refused when it writes into state
@@ -189,7 +187,7 @@ def _functional_update(graph: fx.Graph, node: fx.Node, old: fx.Node) -> fx.Node:
     """The out-of-place value of in-place ``node`` writing into ``old`` (same shape and dtype)."""
     val = old.meta["val"]
     if node.target is aten.copy_.default:
-        src = _arg(node, 1, "src")
+        src = op_args(node)["src"]
         if not isinstance(src, fx.Node):
             return call_like(graph, node, aten.full_like.default, old, src)
         if tuple(src.meta["val"].shape) != tuple(val.shape):
