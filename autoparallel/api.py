@@ -6,6 +6,7 @@ import builtins
 import copy
 import logging
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -126,11 +127,11 @@ def _pin(strategies, traced, pinned: dict[str, Spec], mesh_ndim: int) -> None:
         strategies[node] = kept
 
 
-def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | None = None,
+def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None,
          cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
          time_limit: float = 60.0, parallelism: str = "auto", share_blocks: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
-         device: str = "cpu", stamp_layers: bool = True) -> Plan:
+         device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -138,8 +139,9 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
         meta_inputs: dict of keyword arguments or tuple of positional ones, tensors on the
             meta device (or FakeTensors) with **global** shapes.
         mesh_shape: devices per mesh axis, e.g. ``(2, 4)``, or an int for a 1-D mesh; or
-            give ``mesh`` (not both).
-        mesh: a :class:`MeshSpec` (shape, axis names, alpha/beta).
+            give ``mesh_spec`` (not both).
+        mesh_spec: a :class:`MeshSpec` (shape, axis names, alpha/beta); the same keyword as
+            :func:`autoparallelize`'s.
         cost_model: a :class:`CostModel` (default: A100 preset).
         strict: error on ops without a sharding rule instead of replicating them.
         solver: ``"cbc"`` or ``"highs"``.
@@ -170,7 +172,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
             (a budget no plan fits raises InfeasiblePlanError with the smallest reachable peak).
         TypeError: an argument of the wrong type, e.g. ``mesh_shape`` not an int or a
             sequence of ints (:func:`autoparallel.validate.check_planning_arguments`).
-        ValueError: neither or both of ``mesh_shape`` and ``mesh``, a mesh axis below 1, an
+        ValueError: neither or both of ``mesh_shape`` and ``mesh_spec``, a mesh axis below 1, an
             unreadable ``memory_budget``, an unknown ``solver``, ``parallelism`` or
             ``optimizer``, a ``time_limit`` that is not positive.
     """
@@ -179,13 +181,14 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
     if not isinstance(meta_inputs, (dict, tuple, list)):
         raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
                         f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
+    mesh = _mesh_spec_keyword(mesh_spec, mesh)
     if (mesh is None) == (mesh_shape is None):
-        raise ValueError("plan() needs one of mesh_shape=(...) and mesh=MeshSpec(...), "
+        raise ValueError("plan() needs one of mesh_shape=(...) and mesh_spec=MeshSpec(...), "
                          + ("not both" if mesh is not None else "got neither"))
     if mesh is None:
         mesh = MeshSpec(mesh_shape_tuple(mesh_shape, "mesh_shape"))
     elif not isinstance(mesh, MeshSpec):
-        raise TypeError(f"mesh must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
+        raise TypeError(f"mesh_spec must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
@@ -199,6 +202,17 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh: MeshSpec | Non
                      memory_budget=memory_budget, optimizer=optimizer, device=device)
     p.solver_stats["trace_s"] = t_trace
     return p
+
+
+def _mesh_spec_keyword(mesh_spec, mesh):
+    """``mesh_spec``, or the deprecated ``mesh=`` keyword of :func:`plan` (with a warning)."""
+    if mesh is None:
+        return mesh_spec
+    warnings.warn("plan(mesh=...) is deprecated; pass mesh_spec=, the keyword autoparallelize() takes too",
+                  DeprecationWarning, stacklevel=3)
+    if mesh_spec is not None:
+        raise ValueError("plan(): give mesh_spec= only (mesh= is its deprecated name)")
+    return mesh
 
 
 def coverage(model: nn.Module, meta_inputs, *, stamp_layers: bool = True) -> CoverageReport:

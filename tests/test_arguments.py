@@ -111,3 +111,22 @@ def test_device_preset_rejects(field, value, error, match):
     fields = {"name": "mine", "flops_fp32": 1e14, "flops_half": 2e14, "mem_bw": 1e12, "memory": 2**34, field: value}
     with pytest.raises(error, match=match):
         DevicePreset(**fields)
+
+
+def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
+    """plan() names the mesh description mesh_spec=, as autoparallelize() does; mesh= still works, warned."""
+    import warnings
+
+    from autoparallel import MeshSpec, plan
+    from tests.models import MLP
+
+    model = MLP(hidden=16, layers=2)
+    inputs = {"x": torch.empty(8, 16, device="meta"), "y": torch.empty(8, 16, device="meta")}
+    new = plan(model, inputs, mesh_spec=MeshSpec((2,)), cache_dir=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = plan(model, inputs, mesh=MeshSpec((2,)), cache_dir=False)
+    assert any(issubclass(w.category, DeprecationWarning) and "mesh_spec" in str(w.message) for w in caught)
+    assert old.nodes == new.nodes and old.conversions == new.conversions
+    with pytest.raises(ValueError, match="mesh_spec= only"):
+        plan(model, inputs, mesh=MeshSpec((2,)), mesh_spec=MeshSpec((2,)), cache_dir=False)
