@@ -12,7 +12,8 @@ warning and replaced. Writing is best effort: a plan that cannot be stored is lo
 used.
 
 Location: the ``cache_dir=`` argument, else the ``AUTOPARALLEL_CACHE_DIR`` environment
-variable, else ``~/.cache/autoparallel``; ``cache_dir=False`` turns caching off. A cost
+variable, else ``~/.cache/autoparallel``; ``cache_dir=False`` turns caching off. Measured mesh
+and device profiles (:mod:`autoparallel.profile`) live in its ``profiles/`` subfolder. A cost
 model is identified by :meth:`CostModel.key` (class and device preset): a subclass with
 parameters of its own should add them there; clear the cache (delete the folder) after
 changing a cost model's code.
@@ -79,12 +80,8 @@ def load(folder: Path | None, key: str, traced, mesh: MeshSpec) -> Plan | None:
     if folder is None:
         return None
     path = folder / f"{key}.json"
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):  # nothing cached (or the folder is a file: store() says so)
-        return None
-    except (OSError, ValueError) as e:  # not a readable file (a folder, no permission), not text
-        log.warning("ignoring unreadable cached plan %s (%s); planning again", path, e)
+    text = read_text(path, "plan")
+    if text is None:
         return None
     try:
         plan = Plan.from_json(text)
@@ -102,15 +99,42 @@ def store(folder: Path | None, key: str, plan: Plan) -> None:
     """Write ``plan`` for ``key`` (atomically: a temporary file renamed into place). A failed
     write (read-only or missing folder, a file in the folder's place, a full disk) is logged
     as a warning and leaves the plan uncached."""
-    if folder is None:
-        return
-    tmp = folder / f".{key}.{os.getpid()}.tmp"
+    if folder is not None:
+        write_text(folder / f"{key}.json", plan.to_json(), "plan")
+
+
+def write_text(path: Path, text: str, what: str) -> bool:
+    """Write ``text`` to ``path`` atomically (a temporary file renamed into place), creating
+    the folder. Best effort: a failure (read-only or missing folder, a file in the folder's
+    place, a full disk) is logged as a warning naming ``what`` was not cached, and returns False."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(plan.to_json())
-        os.replace(tmp, folder / f"{key}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return True
     except OSError as e:
-        log.warning("could not write the plan cache in %s (%s); the plan is used but not cached (pass "
-                    "cache_dir= a writable folder, or cache_dir=False)", folder, e)
+        log.warning("could not write the %s cache in %s (%s); the %s is used but not cached (pass cache_dir= a "
+                    "writable folder, or cache_dir=False)", what, path.parent, e, what)
         with contextlib.suppress(OSError):  # where the folder is not one, there is no file to remove
             tmp.unlink(missing_ok=True)
+        return False
+
+
+def read_text(path: Path, what: str) -> str | None:
+    """The text of ``path``, or ``None`` when there is none, or when it cannot be read (logged
+    as a warning naming ``what``)."""
+    try:
+        return path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as e:  # not a readable file (a folder, no permission), not text
+        log.warning("ignoring unreadable cached %s %s (%s); measuring or planning again", what, path, e)
+        return None
+
+
+def profile_path(folder: Path | None, name: str) -> Path | None:
+    """Where the measured profile ``name`` (``mesh-<key>`` or ``device-<key>``, see
+    :mod:`autoparallel.profile`) is cached: ``<folder>/profiles/<name>.json``; ``None`` when
+    caching is off."""
+    return None if folder is None else folder / "profiles" / f"{name}.json"

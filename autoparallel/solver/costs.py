@@ -17,17 +17,28 @@ Formulas:
   all-to-all ``α + (n−1)/n·B·β`` (B = bytes per device: each device must push the
   (n−1)/n of its buffer bound elsewhere through its own link; we do not assume a
   full-bisection crossbar, which would give (n−1)/n²).
+* measured collectives (:class:`CommProfile`, made by :func:`autoparallel.profile_mesh`):
+  per mesh axis and collective, Hockney's line ``t = α + β·B`` (Hockney, Parallel Computing
+  1994) fitted to the measured times with ``B`` in the byte conventions above, so the ring
+  factor is inside the fitted ``β``; where the measured table departs from the line by more
+  than :data:`PROFILE_TOLERANCE` (relative), lookups interpolate the table instead.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from ..mesh import MeshSpec
+from tabulate import tabulate
+
+from ..mesh import DEFAULT_ALPHA, DEFAULT_BETA, MeshSpec
 from ..tracer.annotate import MATMUL_LIKE
 
 
@@ -63,6 +74,24 @@ class DevicePreset:
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"DevicePreset: {what} must be positive and finite, got {v!r}")
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d) -> "DevicePreset":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: not an object with exactly the fields of a preset, or a bad value.
+        """
+        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory")
+        if not isinstance(d, dict) or set(d) != set(names):
+            raise ValueError(f"a device preset must be an object with the fields {names}, not {d!r}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+
 
 # Vendor datasheet peaks (dense, no sparsity).
 PRESETS = {
@@ -73,23 +102,321 @@ PRESETS = {
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
+PROFILE_TOLERANCE = 0.25
+"""Largest relative deviation ``|line(B) − t(B)| / t(B)`` over the measured sizes for which a
+fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
+
+PROFILE_FORMAT = 1  # version of the CommProfile JSON layout; part of the profile key
+
+
+def fit_alpha_beta(sizes, times) -> tuple[float, float]:
+    """Hockney's line ``t = α + β·B`` through measured ``(B, t)`` points.
+
+    Least squares on the relative error (weights ``1/t²``), so that the latency-bound small
+    messages count as much as the bandwidth-bound large ones; ``α`` and ``β`` are kept ≥ 0
+    (a negative one is set to 0 and the other refitted alone).
+
+    Args:
+        sizes: message bytes, at least two distinct.
+        times: seconds per collective, positive, one per size.
+
+    Returns:
+        ``(alpha, beta)``: seconds, and seconds per byte.
+
+    Raises:
+        ValueError: fewer than two distinct sizes, lengths that differ, a time that is not
+            positive and finite.
+    """
+    if len(sizes) != len(times) or len(set(sizes)) < 2:
+        raise ValueError(f"fitting a line needs two or more distinct sizes with one time each, got {len(sizes)} "
+                         f"sizes and {len(times)} times")
+    if not all(math.isfinite(t) and t > 0 for t in times):
+        raise ValueError(f"measured times must be positive and finite, got {list(times)}")
+    scale = max(sizes)  # fit in units of the largest size: keeps the normal equations well scaled
+    xs = [b / scale for b in sizes]
+    w = [1 / t**2 for t in times]
+    sw, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
+    st, sxt = sum(wi * t for wi, t in zip(w, times)), sum(wi * x * t for wi, x, t in zip(w, xs, times))
+    det = sw * sxx - sx * sx
+    alpha, slope = (sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det
+    if slope < 0:
+        alpha, slope = st / sw, 0.0
+    elif alpha < 0:
+        alpha, slope = 0.0, sxt / sxx
+    return alpha, slope / scale
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """Measured seconds of one collective over one mesh axis, and how lookups price it.
+
+    Attributes:
+        sizes: message bytes, ascending (the byte convention of :meth:`CostModel.collective_time`).
+        times: seconds per collective at each size (median over repetitions, slowest rank).
+        alpha / beta: the fitted line (:func:`fit_alpha_beta`), seconds and seconds per byte.
+        deviation: largest relative deviation of the line from the measured times.
+        interpolate: ``deviation > tolerance``: lookups interpolate the table, not the line.
+
+    Raises:
+        ValueError: (constructor) sizes not ascending positive ints, times not positive and
+            finite, lengths that differ, fewer than two sizes, alpha/beta negative.
+    """
+
+    sizes: tuple[int, ...]
+    times: tuple[float, ...]
+    alpha: float
+    beta: float
+    deviation: float
+    interpolate: bool
+    _envelope: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        sizes, times = tuple(self.sizes), tuple(self.times)
+        if len(sizes) < 2 or len(sizes) != len(times):
+            raise ValueError(f"a collective table needs two or more sizes with one time each, got {len(sizes)} "
+                             f"sizes and {len(times)} times")
+        if not all(_is_int(b) and b > 0 for b in sizes) or any(a >= b for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"table sizes must be ascending positive ints, got {list(sizes)}")
+        if not all(_is_real(t) and math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"table times must be positive and finite, got {list(times)}")
+        for what in ("alpha", "beta", "deviation"):
+            v = getattr(self, what)
+            if not (_is_real(v) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"table {what} must be a finite number >= 0, got {v!r}")
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "times", times)
+        # running maximum: a larger message never prices cheaper (measurement noise aside)
+        envelope, top = [], 0.0
+        for t in times:
+            top = max(top, t)
+            envelope.append(top)
+        object.__setattr__(self, "_envelope", tuple(envelope))
+
+    @classmethod
+    def fit(cls, sizes, times, tolerance: float = PROFILE_TOLERANCE) -> "CollectiveTable":
+        """The table of measured ``(sizes, times)`` with its fitted line and lookup mode.
+
+        Raises:
+            ValueError: as :func:`fit_alpha_beta` and the constructor.
+        """
+        alpha, beta = fit_alpha_beta(sizes, times)
+        deviation = max(abs(alpha + beta * b - t) / t for b, t in zip(sizes, times))
+        return cls(tuple(int(b) for b in sizes), tuple(float(t) for t in times), alpha, beta, deviation,
+                   deviation > tolerance)
+
+    def time(self, nbytes: float) -> float:
+        """Seconds for a message of ``nbytes``: the line, or (``interpolate``) the table: linear
+        between measured sizes over their running maximum, the smallest size's time below it,
+        and proportional to bytes beyond the largest (bandwidth-bound there)."""
+        if not self.interpolate:
+            return self.alpha + self.beta * nbytes
+        sizes, env = self.sizes, self._envelope
+        if nbytes <= sizes[0]:
+            return env[0]
+        if nbytes >= sizes[-1]:
+            return env[-1] * nbytes / sizes[-1]
+        i = bisect.bisect_right(sizes, nbytes)
+        lo, hi = sizes[i - 1], sizes[i]
+        return env[i - 1] + (env[i] - env[i - 1]) * (nbytes - lo) / (hi - lo)
+
+    def to_json(self) -> dict:
+        return {"sizes": list(self.sizes), "times": list(self.times), "alpha": self.alpha, "beta": self.beta,
+                "deviation": self.deviation, "interpolate": self.interpolate}
+
+    @classmethod
+    def from_json(cls, d) -> "CollectiveTable":
+        """Inverse of :meth:`to_json`; raises ValueError for a malformed table."""
+        names = ("sizes", "times", "alpha", "beta", "deviation", "interpolate")
+        if not isinstance(d, dict) or set(d) != set(names):
+            raise ValueError(f"a collective table must be an object with the fields {names}, not {d!r}")
+        if not (isinstance(d["sizes"], list) and isinstance(d["times"], list) and isinstance(d["interpolate"], bool)):
+            raise ValueError(f"a collective table needs lists of sizes and times and a boolean interpolate, "
+                             f"not {d!r}")
+        return cls(tuple(d["sizes"]), tuple(d["times"]), d["alpha"], d["beta"], d["deviation"], d["interpolate"])
+
+
+IDENTITY_FIELDS = ("backend", "device_type", "device_name", "world_size", "mesh_shape", "hosts", "torch")
+"""What a :class:`CommProfile` was measured on; its hash is the profile's cache key."""
+
+
+def profile_key(identity: dict) -> str:
+    """Hex digest (20 characters) of a profile identity: the :data:`IDENTITY_FIELDS` (process
+    group backend, device type and name, world size, mesh shape, host name of every rank in
+    mesh order, torch version) and :data:`PROFILE_FORMAT`.
+
+    Raises:
+        ValueError: a field missing or unknown.
+    """
+    if not isinstance(identity, dict) or set(identity) != set(IDENTITY_FIELDS):
+        raise ValueError(f"a profile identity has the fields {IDENTITY_FIELDS}, got {identity!r}")
+    text = json.dumps({"format": PROFILE_FORMAT, **identity}, sort_keys=True, default=list)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """Measured costs of a device mesh: collective tables per mesh axis and the device's
+    achieved compute rates. Made by :func:`autoparallel.profile_mesh`; priced by
+    :meth:`CostModel.from_profile`. ``str(profile)`` is a table; :meth:`to_json` /
+    :meth:`from_json` round-trip exactly.
+
+    Attributes:
+        identity: what it was measured on (:data:`IDENTITY_FIELDS`).
+        axis_names: the mesh's axis names.
+        tables: ``(mesh axis, collective)`` → :class:`CollectiveTable`, for every axis of
+            more than one device and every collective in :data:`COLLECTIVES`.
+        device: achieved matmul FLOP/s per dtype and memory bandwidth, as a :class:`DevicePreset`.
+        profile_s: seconds the measurement took.
+
+    Raises:
+        ValueError: (constructor) an identity without the expected fields, axis names that do
+            not match the mesh shape, a table for an axis or collective the mesh does not have.
+    """
+
+    identity: dict
+    axis_names: tuple[str, ...]
+    tables: dict
+    device: DevicePreset
+    profile_s: float = 0.0
+
+    def __post_init__(self):
+        profile_key(self.identity)  # checks the fields
+        object.__setattr__(self, "identity", json.loads(json.dumps(self.identity)))  # tuples as lists, as in JSON
+        shape = self.mesh_shape
+        if not (isinstance(self.axis_names, (list, tuple)) and len(self.axis_names) == len(shape)
+                and all(isinstance(n, str) for n in self.axis_names)):
+            raise ValueError(f"profile: axis names {self.axis_names!r} are not one string per axis of the mesh {shape}")
+        object.__setattr__(self, "axis_names", tuple(self.axis_names))
+        for (axis, kind), t in self.tables.items():
+            if kind not in COLLECTIVES or not (_is_int(axis) and 0 <= axis < len(shape)):
+                raise ValueError(f"profile: a table for {kind!r} over mesh axis {axis!r} of a mesh {shape}")
+            if not isinstance(t, CollectiveTable):
+                raise ValueError(f"profile: the table of {kind} over axis {axis} is not a CollectiveTable: {t!r}")
+        if not isinstance(self.device, DevicePreset):
+            raise ValueError(f"profile: device must be a DevicePreset, not {self.device!r}")
+
+    @property
+    def key(self) -> str:
+        """The cache key (:func:`profile_key` of the identity)."""
+        return profile_key(self.identity)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.identity["mesh_shape"])
+
+    def mesh_spec(self, axis_names=None) -> MeshSpec:
+        """A :class:`MeshSpec` of the profiled mesh whose per-axis alpha and beta are the link's:
+        the all-reduce line's ``α`` and its ``β`` divided by the ring factor ``2(n−1)/n``
+        (positive floors for a fit that gave 0; :data:`~autoparallel.mesh.DEFAULT_ALPHA` and
+        ``DEFAULT_BETA`` on axes of one device). ``axis_names`` default to the profile's."""
+        alpha, beta = [], []
+        for axis, n in enumerate(self.mesh_shape):
+            t = self.tables.get((axis, "all_reduce"))
+            alpha.append(max(t.alpha, 1e-9) if t else DEFAULT_ALPHA)
+            beta.append(max(t.beta * n / (2 * (n - 1)), 1e-15) if t else DEFAULT_BETA)
+        return MeshSpec(self.mesh_shape, axis_names or self.axis_names, tuple(alpha), tuple(beta))
+
+    def table(self) -> str:
+        """The profile as text: what it was measured on, the compute rates, and per axis and
+        collective the fitted line, its largest deviation and the lookup it uses."""
+        ident, dev = self.identity, self.device
+        head = (f"mesh profile {self.key}: {ident['backend']} on {ident['world_size']} x {ident['device_type']} "
+                f"({ident['device_name']}), mesh {self.mesh_shape}, hosts {sorted(set(ident['hosts']))}, "
+                f"measured in {self.profile_s:.1f} s\n"
+                f"compute: matmul {dev.flops_fp32 / 1e9:.4g} GFLOP/s fp32, {dev.flops_half / 1e9:.4g} GFLOP/s "
+                f"16-bit; memory {dev.mem_bw / 1e9:.4g} GB/s")
+        rows = []
+        for (axis, kind), t in sorted(self.tables.items(), key=lambda kv: (kv[0][0], COLLECTIVES.index(kv[0][1]))):
+            rows.append([f"{axis} ({self.axis_names[axis]})", self.mesh_shape[axis], kind, f"{t.alpha * 1e6:.3g}",
+                         f"{1 / t.beta / 1e9:.3g}" if t.beta else "inf", f"{100 * t.deviation:.0f}%",
+                         "table" if t.interpolate else "line", f"{_kib(t.sizes[0])} .. {_kib(t.sizes[-1])}"])
+        hdr = ["axis", "devices", "collective", "alpha µs", "1/beta GB/s", "max dev", "lookup", "sizes"]
+        return head + "\n" + tabulate(rows, hdr, tablefmt="simple")
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": PROFILE_FORMAT, "key": self.key, "identity": self.identity,
+            "axis_names": list(self.axis_names), "device": self.device.to_json(), "profile_s": self.profile_s,
+            "tables": [{"axis": a, "kind": k, **t.to_json()} for (a, k), t in self.tables.items()],
+        }, default=list)
+
+    @classmethod
+    def from_json(cls, s: str) -> "CommProfile":
+        """The profile written by :meth:`to_json`.
+
+        Raises:
+            ValueError: text that is not a profile of this format (the message says what is wrong).
+        """
+        try:
+            d = json.loads(s)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a mesh profile must be JSON text: {e}") from None
+        names = ("format", "key", "identity", "axis_names", "device", "profile_s", "tables")
+        if not isinstance(d, dict) or set(d) != set(names):
+            raise ValueError(f"a mesh profile is an object with the fields {names}")
+        if d["format"] != PROFILE_FORMAT:
+            raise ValueError(f"mesh profile format {d['format']!r}, this version reads {PROFILE_FORMAT}")
+        if not (isinstance(d["tables"], list) and all(isinstance(t, dict) for t in d["tables"])):
+            raise ValueError("mesh profile: tables must be a list of objects")
+        if not (_is_real(d["profile_s"]) and isinstance(d["identity"], dict)):
+            raise ValueError("mesh profile: profile_s must be a number and identity an object")
+        tables = {}
+        for t in d["tables"]:
+            t = dict(t)
+            where = (t.pop("axis", None), t.pop("kind", None))
+            tables[where] = CollectiveTable.from_json(t)
+        profile = cls(d["identity"], d["axis_names"], tables, DevicePreset.from_json(d["device"]), d["profile_s"])
+        if profile.key != d["key"]:
+            raise ValueError(f"mesh profile: key {d['key']!r} does not match its identity ({profile.key})")
+        return profile
+
+    def save(self, path) -> None:
+        """Write the JSON to ``path`` (OSError as ``Path.write_text`` raises it)."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "CommProfile":
+        """Read a profile written by :meth:`save` (OSError, or ValueError for bad content)."""
+        return cls.from_json(Path(path).read_text())
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.3g} KiB"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
 
 class CostModel:
     """Prices compute, collectives and memory for the planner.
 
     Args:
-        device: a preset name from :data:`PRESETS` or a :class:`DevicePreset`.
+        device: a preset name from :data:`PRESETS` or a :class:`DevicePreset` (the roofline's
+            peaks).
+        profile: a :class:`CommProfile`: collectives over its mesh axes are priced from its
+            measured tables instead of the mesh's alpha and beta (see :meth:`from_profile`).
 
     Raises:
-        TypeError: ``device`` is neither a string nor a :class:`DevicePreset`.
+        TypeError: ``device`` is neither a string nor a :class:`DevicePreset`, ``profile``
+            not a :class:`CommProfile`.
         ValueError: an unknown preset name.
 
     The mesh (with its per-axis alpha and beta) is bound by the planner through
-    :meth:`bind`; subclasses may override any method, e.g. :meth:`collective_time` with
-    measured tables.
+    :meth:`bind`; subclasses may override any method.
     """
 
-    def __init__(self, device: str | DevicePreset = "a100"):
+    def __init__(self, device: str | DevicePreset = "a100", profile: CommProfile | None = None):
+        if profile is not None and not isinstance(profile, CommProfile):
+            raise TypeError(f"CostModel: profile must be a CommProfile or None, not {profile!r}")
+        self.profile = profile
         if isinstance(device, str):
             if device not in PRESETS:
                 raise ValueError(f"unknown device preset {device!r}; choose one of {sorted(PRESETS)}")
@@ -100,14 +427,48 @@ class CostModel:
         self.device = device
         self.mesh: MeshSpec | None = None
 
+    @classmethod
+    def from_profile(cls, source, device: str | DevicePreset | None = None) -> "CostModel":
+        """The cost model of a measured mesh: collectives from the profile's tables, compute
+        from its measured rates (or ``device``, a preset name or :class:`DevicePreset`).
+
+        Args:
+            source: a :class:`CommProfile`, or the path of one saved with
+                :meth:`CommProfile.save` (e.g. from the cache folder's ``profiles/``).
+
+        Raises:
+            OSError: an unreadable file; ValueError: a file that is not a profile.
+        """
+        profile = source if isinstance(source, CommProfile) else CommProfile.load(source)
+        return cls(profile.device if device is None else device, profile=profile)
+
     def bind(self, mesh: MeshSpec) -> "CostModel":
+        """Bind the mesh to price.
+
+        Raises:
+            ValueError: a profiled cost model bound to a mesh of another shape than the profile's.
+        """
+        if self.profile is not None and tuple(mesh.shape) != self.profile.mesh_shape:
+            raise ValueError(f"the cost model's profile was measured on a mesh {self.profile.mesh_shape}, "
+                             f"not {tuple(mesh.shape)}; profile this mesh, or plan for the profiled shape")
         self.mesh = mesh
         return self
 
     def key(self) -> str:
         """A string that identifies the pricing, part of the plan-cache key; subclasses with
-        settings of their own should include them."""
-        return f"{type(self).__module__}.{type(self).__qualname__}:{self.device}"
+        settings of their own should include them. A profile adds its key and a digest of
+        its measurements."""
+        key = f"{type(self).__module__}.{type(self).__qualname__}:{self.device}"
+        if self.profile is not None:
+            key += f":profile={self.profile.key}:{hashlib.sha256(self.profile.to_json().encode()).hexdigest()[:16]}"
+        return key
+
+    def describe(self) -> str:
+        """Which costs price the plan, for ``plan.estimate["costs"]``: ``"preset a100"``, or
+        ``"profile <key> (<device name>)"`` (a subclass adds its class name)."""
+        what = (f"profile {self.profile.key} ({self.profile.identity['device_name']})" if self.profile
+                else f"preset {self.device.name}")
+        return what if type(self) is CostModel else f"{type(self).__qualname__}: {what}"
 
     # ------------------------------------------------------------ communication
     def collective_time(self, kind: str, axis: int, nbytes: float) -> float:
@@ -119,18 +480,27 @@ class CostModel:
         n = self.mesh.shape[axis]
         if n == 1:
             return 0.0
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}")
+        table = self.profile.tables.get((axis, kind)) if self.profile is not None else None
+        if table is not None:
+            return table.time(nbytes)
         a, b = self.mesh.alpha[axis], self.mesh.beta[axis]
         if kind == "all_reduce":
             return a + 2 * (n - 1) / n * nbytes * b
-        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            return a + (n - 1) / n * nbytes * b
-        raise ValueError(f"unknown collective {kind!r}")
+        return a + (n - 1) / n * nbytes * b
 
     def grad_reduction_time(self, axis: int, nbytes: float) -> float:
         """Seconds a parameter's gradient of ``nbytes`` adds to the bucketed all-reduce over
-        ``axis``: the bandwidth term only; the bucket's latency is paid once per axis."""
+        ``axis``: the bandwidth term only (with a profile, the slope of its all-reduce line);
+        the bucket's latency is paid once per axis."""
         n = self.mesh.shape[axis]
-        return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
+        if n == 1:
+            return 0.0
+        table = self.profile.tables.get((axis, "all_reduce")) if self.profile is not None else None
+        if table is not None:
+            return table.beta * nbytes
+        return 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
 
     # ------------------------------------------------------------ compute
     def compute_time(self, target, flops: float, nbytes: float, dtype: torch.dtype | None,

@@ -1,0 +1,356 @@
+"""Measuring the mesh a module runs on: collective times per mesh axis, the device's rates.
+
+:func:`profile_mesh` (every rank calls it) times all-reduce, all-gather, reduce-scatter and
+all-to-all over the process group of each mesh axis for message sizes doubling from
+``min_bytes`` up to a bound set by free memory, ``max_bytes`` and a time budget; each point
+is the median over repetitions of the slowest rank. Per axis and collective it fits Hockney's
+line and keeps the table (:class:`~autoparallel.solver.costs.CollectiveTable`); with the
+device's achieved matmul FLOP/s and memory bandwidth (:func:`calibrate_device`) this is a
+:class:`~autoparallel.solver.costs.CommProfile`, stored in the cache folder
+(``profiles/mesh-<key>.json``, the key hashing backend, device type and name, world size,
+mesh shape, the host of every rank in mesh order and the torch version) and loaded by the
+next run instead of measuring again. Device rates are cached on their own
+(``profiles/device-<key>.json``), once per device kind.
+
+Every collective and every decision that changes which collectives run next is taken from
+values all ranks agree on (reduced over the world), so the ranks never diverge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import cache
+from .solver.costs import COLLECTIVES, CollectiveTable, CommProfile, DevicePreset, profile_key
+
+log = logging.getLogger(__name__)
+
+_MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # bf16's rate stands for every 16-bit float
+_MAX_MATMUL_N = 8192
+_BATCH_S = 1e-3  # a timed batch of back-to-back collectives lasts about this long or more
+_MAX_CALLS = 16
+
+
+def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calibration_budget: float = 2.0,
+                 min_bytes: int = 4096, max_bytes: int = 256 * 2**20, repeats: int = 5,
+                 refresh: bool = False) -> CommProfile:
+    """Measure (or load from the cache) the costs of ``device_mesh``; every rank calls it.
+
+    Args:
+        device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` over a real process group.
+        cache_dir: the cache folder (see :func:`autoparallel.cache.cache_path`); ``False``
+            neither reads nor writes a profile.
+        time_budget: seconds for the collective sweep, shared evenly among the (axis,
+            collective) pairs; each pair stops doubling its size when the next size would
+            overrun its share (it measures at least three sizes).
+        calibration_budget: seconds for measuring the device's rates, when not cached.
+        min_bytes / max_bytes: the smallest and (at most) largest message in bytes; the
+            largest is also bounded by a quarter of the free memory of the slowest rank.
+        repeats: timed batches per size; the median is kept.
+        refresh: measure again even when a cached profile exists (and replace it).
+
+    Returns:
+        the :class:`~autoparallel.solver.costs.CommProfile`, identical on every rank.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        ValueError: a simulated process group (the ``fake`` backend has no network to
+            measure), a budget that is not positive, ``min_bytes``/``max_bytes`` not with
+            ``4 <= min_bytes`` and ``2 * min_bytes <= max_bytes``, ``repeats`` below 1.
+    """
+    _check_arguments(time_budget, calibration_budget, min_bytes, max_bytes, repeats)
+    identity = mesh_identity(device_mesh)
+    folder = cache.cache_path(cache_dir)
+    path = cache.profile_path(folder, f"mesh-{profile_key(identity)}")
+    if not refresh:
+        text = _from_rank0(lambda: _cached_text(path, CommProfile.from_json, "mesh profile"))
+        if text is not None:
+            log.info("loaded the mesh profile from the cache: %s", path)
+            return CommProfile.from_json(text)
+    log.info("profiling the mesh %s (about %.0f s)", tuple(device_mesh.mesh.shape), time_budget + calibration_budget)
+    t0 = time.perf_counter()
+    device = _local_device(device_mesh.device_type)
+    rates = _calibrated(device, folder, identity, calibration_budget)
+    max_bytes = _size_bound(device, max_bytes, min_bytes, _ranks_on_host(identity))
+    shape = tuple(device_mesh.mesh.shape)
+    pairs = [(a, k) for a in range(len(shape)) if shape[a] > 1 for k in COLLECTIVES]
+    tables = {(a, k): _measure(k, device_mesh.get_group(a), shape[a], device, time_budget / len(pairs),
+                               min_bytes, max_bytes, repeats) for a, k in pairs}
+    names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(shape)))
+    seconds = _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, device)[0]
+    profile = CommProfile(identity, names, tables, rates, round(seconds, 3))
+    if dist.get_rank() == 0 and path is not None:
+        cache.write_text(path, profile.to_json(), "mesh profile")
+    log.info("%s", profile)
+    return profile
+
+
+def _check_arguments(time_budget, calibration_budget, min_bytes, max_bytes, repeats) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("profile_mesh needs an initialized process group (torchrun / init_process_group)")
+    if dist.get_backend() == "fake":
+        raise ValueError("profile_mesh: the fake process group simulates ranks in one process and has no network "
+                         "to measure; plan simulated meshes with a preset (CostModel('a100')) or a saved profile "
+                         "(CostModel.from_profile(path))")
+    for what, v in (("time_budget", time_budget), ("calibration_budget", calibration_budget)):
+        if not (isinstance(v, (int, float)) and v > 0):
+            raise ValueError(f"profile_mesh: {what} must be a positive number of seconds, got {v!r}")
+    if not (isinstance(min_bytes, int) and isinstance(max_bytes, int) and 4 <= min_bytes and 2 * min_bytes <= max_bytes):
+        raise ValueError(f"profile_mesh: need ints with 4 <= min_bytes and 2 * min_bytes <= max_bytes, got "
+                         f"min_bytes={min_bytes!r}, max_bytes={max_bytes!r}")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"profile_mesh: repeats must be an int >= 1, got {repeats!r}")
+
+
+def mesh_identity(device_mesh) -> dict:
+    """What a profile of ``device_mesh`` is valid for (the fields of
+    :data:`~autoparallel.solver.costs.IDENTITY_FIELDS`), the same on every rank: the host
+    name of every rank in mesh order (which axes cross hosts) and the set of device names
+    (a collective over the world)."""
+    world = dist.get_world_size()
+    local = (socket.gethostname(), _device_name(device_mesh.device_type))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local)
+    order = device_mesh.mesh.flatten().tolist()
+    return {"backend": str(dist.get_backend()), "device_type": device_mesh.device_type,
+            "device_name": ", ".join(sorted({name for _, name in gathered})), "world_size": world,
+            "mesh_shape": list(device_mesh.mesh.shape), "hosts": [gathered[r][0] for r in order],
+            "torch": torch.__version__}
+
+
+def _device_name(device_type: str) -> str:
+    if device_type != "cpu":
+        return torch.get_device_module(device_type).get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: platform below
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize()
+
+
+def _agree(values: list[float], op, device: torch.device) -> list[float]:
+    """``values`` reduced over the world with ``op`` (MAX, MIN): what every rank sees."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _from_rank0(produce):
+    """``produce()`` run on rank 0 (text or None), broadcast to every rank."""
+    box = [produce() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _cached_text(path, parse, what: str) -> str | None:
+    """The cached text at ``path`` when ``parse`` accepts it; a file it rejects is ignored
+    with a warning (and replaced after measuring)."""
+    text = None if path is None else cache.read_text(path, what)
+    if text is None:
+        return None
+    try:
+        parse(text)
+    except ValueError as e:
+        log.warning("ignoring cached %s %s (%s); measuring again", what, path, e)
+        return None
+    return text
+
+
+def _free_bytes(device: torch.device, ranks_on_host: int) -> int:
+    if device.type != "cpu":
+        return torch.get_device_module(device.type).mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_on_host
+
+
+def _size_bound(device: torch.device, max_bytes: int, min_bytes: int, ranks_on_host: int) -> int:
+    """The largest message to measure: ``max_bytes``, at most a quarter of the free memory of
+    the slowest rank (an all-to-all holds two buffers of the message), at least ``2 * min_bytes``."""
+    free = _agree([float(_free_bytes(device, ranks_on_host))], dist.ReduceOp.MIN, device)[0]
+    return max(2 * min_bytes, min(max_bytes, int(free) // 4))
+
+
+# ------------------------------------------------------------------ collectives
+def _measure(kind: str, group, n: int, device: torch.device, budget: float, min_bytes: int, max_bytes: int,
+             repeats: int) -> CollectiveTable:
+    """The table of ``kind`` over ``group`` (``n`` ranks): sizes doubling from ``min_bytes``
+    while the next one fits in ``budget`` seconds (at least three) and ``max_bytes``."""
+    sizes, times, spent, calls, size = [], [], 0.0, 4, min_bytes
+    while size <= max_bytes or len(sizes) < 2:
+        t0 = time.perf_counter()
+        nbytes, local = _time_collective(kind, group, n, size, device, repeats, calls)
+        t, wall = _agree([local, time.perf_counter() - t0], dist.ReduceOp.MAX, device)
+        if not sizes or nbytes > sizes[-1]:
+            sizes.append(nbytes)
+            times.append(t)
+        spent += wall
+        if len(sizes) >= 3 and spent + 2.2 * wall > budget:  # the next size takes about twice as long
+            break
+        size *= 2
+        calls = max(1, min(_MAX_CALLS, int(_BATCH_S / t)))
+    return CollectiveTable.fit(sizes, times)
+
+
+def _time_collective(kind: str, group, n: int, size: int, device: torch.device, repeats: int,
+                     calls: int) -> tuple[int, float]:
+    """``(bytes, seconds)``: the message size in the byte convention of
+    :meth:`~autoparallel.solver.costs.CostModel.collective_time` (all-reduce: the buffer;
+    all-gather: the gathered output; reduce-scatter: the input; all-to-all: the buffer per
+    rank) and this rank's median over ``repeats`` batches of ``calls`` back-to-back
+    collectives, each batch started by a barrier of the group."""
+    numel = max(n, size // 4 // n * n)  # float32 elements, a multiple of the group size
+    buf = torch.zeros(numel, device=device)  # zeros: repeated sums stay finite
+    if kind == "all_reduce":
+        def run():
+            dist.all_reduce(buf, group=group)
+    elif kind == "all_gather":
+        part = torch.zeros(numel // n, device=device)
+
+        def run():
+            dist.all_gather_single(buf, part, group=group)
+    elif kind == "reduce_scatter":
+        part = torch.empty(numel // n, device=device)
+
+        def run():
+            dist.reduce_scatter_single(part, buf, group=group)
+    else:
+        out = torch.empty_like(buf)
+
+        def run():
+            dist.all_to_all_single(out, buf, group=group)
+    run()  # warm-up: connects the group, allocates
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls)
+    return numel * 4, statistics.median(samples)
+
+
+# ------------------------------------------------------------------ compute
+def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1) -> DevicePreset:
+    """The achieved rates of ``device`` (this process alone), as a :class:`DevicePreset`.
+
+    Matmul FLOP/s per dtype: square GEMMs ``n × n × n`` (``2n³`` FLOPs) from ``n = 256``,
+    doubling while the next fits in the dtype's share of the budget (up to 8192); the best
+    median rate is kept (fp32, and bf16 for every 16-bit float). Memory bandwidth: a copy
+    (2 bytes moved per byte) and a pointwise add (3) of a buffer far larger than caches; the
+    better rate. Memory: the device's total, or on CPU the host's divided by
+    ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson, CACM 2009.
+
+    Args:
+        device: a ``torch.device`` or its string.
+        time_budget: seconds, shared by the two matmul dtypes and the bandwidth runs.
+        ranks_on_host: processes sharing this host's memory.
+
+    Raises:
+        RuntimeError: as torch raises for a device that cannot be used.
+    """
+    device = torch.device(device)
+    share = time_budget / (len(_MATMUL_DTYPES) + 1)
+    fp32, half = (_matmul_rate(device, dt, share) for dt in _MATMUL_DTYPES)
+    if device.type == "cpu":
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_on_host)
+    else:
+        memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
+    return DevicePreset(f"measured {_device_name(device.type)}", fp32, half,
+                        _memory_rate(device, share, ranks_on_host), float(memory))
+
+
+def _median_time(fn, device: torch.device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return max(statistics.median(samples), 1e-9)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> float:
+    best, spent, n = 0.0, 0.0, 256
+    while n <= _MAX_MATMUL_N:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        t = _median_time(lambda: torch.mm(a, b, out=out), device)
+        best = max(best, 2 * n**3 / t)
+        spent += 4 * t
+        if spent + 8 * 4 * t > budget:  # the next size does 8x the work
+            break
+        n *= 2
+    return best
+
+
+def _memory_rate(device: torch.device, budget: float, ranks_on_host: int) -> float:
+    nbytes = 64 * 2**20 if device.type == "cpu" else 512 * 2**20
+    nbytes = max(2**20, min(nbytes, _free_bytes(device, ranks_on_host) // 8))
+    a = torch.ones(nbytes // 4, device=device)
+    b, c = torch.ones_like(a), torch.empty_like(a)
+    repeats = 3 if budget > 0.5 else 1
+    copy = 2 * nbytes / _median_time(lambda: c.copy_(a), device, repeats)
+    add = 3 * nbytes / _median_time(lambda: torch.add(a, b, out=c), device, repeats)
+    return max(copy, add)
+
+
+def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> DevicePreset:
+    """The device's rates: cached per device kind (device type and names, torch version, CPU
+    threads, ranks per host), else measured on every rank at once (as training runs) and
+    reduced to the slowest rank's."""
+    kind = {"device_type": identity["device_type"], "device_name": identity["device_name"],
+            "torch": identity["torch"], "threads": torch.get_num_threads(), "ranks_on_host": _ranks_on_host(identity)}
+    key = hashlib.sha256(json.dumps(kind, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache.profile_path(folder, f"device-{key}")
+    text = _from_rank0(lambda: _cached_text(path, _device_from_json, "device profile"))
+    if text is not None:
+        return _device_from_json(text)
+    mine = calibrate_device(device, time_budget=budget, ranks_on_host=kind["ranks_on_host"])
+    fp32, half, bw, mem = _agree([mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory], dist.ReduceOp.MIN,
+                                 device)
+    rates = DevicePreset(mine.name, fp32, half, bw, mem)
+    if dist.get_rank() == 0 and path is not None:
+        cache.write_text(path, json.dumps(rates.to_json()), "device profile")
+    return rates
+
+
+def _device_from_json(text: str) -> DevicePreset:
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    return DevicePreset.from_json(d)
+
+
+def _ranks_on_host(identity: dict) -> int:
+    """The most ranks any host runs."""
+    hosts = identity["hosts"]
+    return max(hosts.count(h) for h in hosts)
