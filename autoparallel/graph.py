@@ -1,8 +1,10 @@
 """Helpers over fx graph nodes shared by every stage: a node's tensor inputs, its arguments
-bound by name through the op's schema, and the tensors a graph returns."""
+bound by name through the op's schema, what an op writes into and which input its output
+aliases (read from the schema's alias annotations), and the tensors a graph returns."""
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any
 
@@ -80,3 +82,87 @@ def output_leaves(out: fx.Node) -> list[fx.Node]:
     """The tensors the graph returns, in order (the output's conversions are indexed by this)."""
     return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
             and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def _annotated_args(node: fx.Node) -> list[tuple[int, Any, Any, int]]:
+    """``(schema position, schema argument, value, first pytree leaf)`` of every argument of
+    ``node``'s ATen op that carries an alias annotation (``Tensor(a)``, ``Tensor(a!)``) and
+    is given in the call; leaves count over ``(args, kwargs)`` as :func:`tensor_inputs` does."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    given, leaf = {}, 0
+    for a, v in zip([a for a in schema.arguments if not a.kwarg_only], node.args):
+        given[a.name], leaf = (v, leaf), leaf + len(pytree.tree_leaves(v))
+    for k, v in node.kwargs.items():
+        given[k], leaf = (v, leaf), leaf + len(pytree.tree_leaves(v))
+    return [(i, a, *given[a.name]) for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.name in given]
+
+
+def written_args(node: fx.Node) -> list[tuple[int, Any]]:
+    """``(schema position, value)`` of every argument ``node`` writes into: the ``self`` of
+    an in-place op (``add_``, ``copy_``), the ``out`` of an out= op, the tensor list of a
+    ``_foreach_*_`` op (the value is then the list). Empty for ops that write nothing and
+    for targets without a schema."""
+    return [(i, v) for i, a, v, _ in _annotated_args(node) if a.alias_info.is_write]
+
+
+def written_inputs(node: fx.Node) -> dict[int, list[int]]:
+    """Position in :func:`tensor_inputs` of every data input ``node`` writes into → the
+    indices of the op's outputs that are that same tensor (``add_``: ``{0: [0]}``)."""
+    args = _annotated_args(node)
+    if not args:
+        return {}
+    position = {leaf: j for j, (leaf, _) in enumerate(tensor_inputs(node))}
+    returns = node.target._schema.returns
+    return {position[leaf]: [o for o, r in enumerate(returns) if r.alias_info is not None
+                             and r.alias_info.before_set & a.alias_info.before_set]
+            for _, a, _, leaf in args if a.alias_info.is_write and leaf in position}
+
+
+def _output_alias(node: fx.Node) -> tuple[Any, int] | None:
+    """``(value, first leaf)`` of the argument whose storage ``node``'s first output shares."""
+    args = _annotated_args(node)
+    if not args:
+        return None
+    returns = node.target._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    sets = returns[0].alias_info.before_set
+    return next(((v, leaf) for _, a, v, leaf in args if not sets or a.alias_info.before_set & sets), None)
+
+
+def alias_source(node: fx.Node) -> fx.Node | None:
+    """The node whose storage the first output of ``node`` shares (the input a view or an
+    in-place op returns, per its schema), or ``None`` when the output is a new tensor."""
+    found = _output_alias(node)
+    return found[0] if found is not None and isinstance(found[0], fx.Node) else None
+
+
+def aliased_input(node: fx.Node) -> int | None:
+    """Position in :func:`tensor_inputs` of :func:`alias_source`, or ``None``."""
+    found = _output_alias(node)
+    if found is None:
+        return None
+    return next((j for j, (leaf, _) in enumerate(tensor_inputs(node)) if leaf == found[1]), None)
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a view: its output aliases an input it does not write into
+    (``view``, ``transpose``, ``slice``, ``expand``, ``detach``, ...)."""
+    return alias_source(node) is not None and not written_args(node)
+
+
+def alias_base(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` uses: itself, or the end of the chain of getitems,
+    views and in-place ops it is the output of."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            node = node.args[0]
+            continue
+        src = alias_source(node)
+        if src is None:
+            return node
+        node = src
+    return node

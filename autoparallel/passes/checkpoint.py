@@ -20,20 +20,13 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from ..graph import written_args
 from ..solver.rotor import Region
 
 
 def _writes_outside(node: fx.Node, inside: set[fx.Node]) -> bool:
     """Whether ``node`` mutates a tensor produced outside ``inside`` (it must not run twice)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write and i < len(node.args):
-            val = node.args[i]
-            if isinstance(val, fx.Node) and val not in inside:
-                return True
-    return False
+    return any(isinstance(v, fx.Node) and v not in inside for _, v in written_args(node))
 
 
 def _wrap(gm: fx.GraphModule, stage_of: dict[fx.Node, int], region: Region) -> None:

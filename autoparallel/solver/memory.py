@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..placement import Spec, local_shape
-from ..graph import tensor_inputs
+from ..graph import alias_source, tensor_inputs
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 
@@ -129,25 +129,19 @@ class Saved:
     nbytes: int
 
 
-def _aliases_input(node: fx.Node) -> bool:
-    """Whether the op's output is a view of (or an in-place update of) its first input."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-
-
 def storage_owner(node: fx.Node, aliases) -> tuple[fx.Node, int]:
     """The ``(node, tensor output index)`` whose storage ``node``'s (first) output uses:
     itself, or, through views, in-place ops and getitems, the value they alias."""
     while True:
         if node in aliases:
             src, idx = aliases[node]
-            if not _aliases_input(src):
+            if alias_source(src) is None:
                 return src, idx
             node = src
-        if node.op == "call_function" and _aliases_input(node) and tensor_inputs(node):
-            node = tensor_inputs(node)[0][1]
-            continue
-        return node, 0
+        src = alias_source(node)
+        if src is None:
+            return node, 0
+        node = src
 
 
 def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list[tuple[str, int, int]]:

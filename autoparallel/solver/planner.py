@@ -8,13 +8,12 @@ import time
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape, partial_axes
 from ..errors import InfeasiblePlanError
 from ..plan import Conversion, NodePlan, Plan
-from ..graph import output_leaves, tensor_inputs
+from ..graph import aliased_input, is_view, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy
 from ..tracer.annotate import node_info
 from .blocks import block_key, find_repeated_blocks
@@ -412,32 +411,18 @@ class Planner:
         return Plan(self.mesh, nodes, conversions, params, estimate)
 
 
-_VIEW_OPS = {aten.view.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.permute.default,
-             aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
-             aten.as_strided.default, aten.t.default, aten.diagonal.default, aten.narrow.default}
-
-
 def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
-    """(consumer, input position) edges that must not be resharded: the mutated argument of
+    """(consumer, input position) edges that must not be resharded: the written argument of
     an in-place op, and every view edge back to the tensor it aliases. A conversion there
     would make the op write into a copy, silently losing the mutation."""
     pinned = set()
     for node in nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
-            continue
-        inputs = tensor_inputs(node)
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write or i >= len(node.args):
-                continue
-            leaf = len(pytree.tree_leaves(node.args[:i]))
-            for j, (li, x) in enumerate(inputs):
-                if li != leaf:
-                    continue
-                pinned.add((node, j))
-                while x.op == "call_function" and x.target in _VIEW_OPS:  # walk back to the base
-                    pinned.add((x, 0))
-                    x = tensor_inputs(x)[0][1]
+        for j in written_inputs(node):
+            x = node
+            while j is not None:  # the written input, then back through views to their base
+                pinned.add((x, j))
+                x = tensor_inputs(x)[j][1]
+                j = aliased_input(x) if is_view(x) else None
     return pinned
 
 

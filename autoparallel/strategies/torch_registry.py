@@ -79,7 +79,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 
 from ..placement import P, R, Spec
 from .engine import Strategy
-from ..graph import tensor_inputs
+from ..graph import tensor_inputs, written_inputs
 
 log = logging.getLogger(__name__)
 
@@ -195,21 +195,7 @@ def _ours(spec) -> Spec | None:
 
 def _aliased_pairs(node: fx.Node) -> list[tuple[int, int]]:
     """(tensor input position, output position) of in-place ops: the output is the input."""
-    schema = node.target._schema
-    if not schema.is_mutable:
-        return []
-    leaves = [li for li, _ in tensor_inputs(node)]
-    pairs = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write or i >= len(node.args):
-            continue
-        leaf = len(pytree.tree_leaves(node.args[:i]))
-        if leaf not in leaves:
-            continue
-        for o, ret in enumerate(schema.returns):
-            if ret.alias_info is not None and ret.alias_info.before_set & arg.alias_info.before_set:
-                pairs.append((leaves.index(leaf), o))
-    return pairs
+    return [(j, o) for j, outs in written_inputs(node).items() for o in outs]
 
 
 def _convert(node: fx.Node, combos, mesh_shape: tuple[int, ...]) -> list[Strategy]:

@@ -16,15 +16,13 @@ In-place ops on tensors the forward created (``relu_``, ``x += y``) are left as 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import CaptureError
-from ..graph import op_args
+from ..graph import alias_base, op_args, written_args
 from .annotate import module_path
 
 aten = torch.ops.aten
@@ -47,27 +45,6 @@ def call_like(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Nod
     node = graph.call_function(target, tuple(args), kwargs)
     node.meta = {k: v for k, v in like.meta.items() if k not in _NOT_COPIED}
     node.meta["val"] = fake_value(target, node.args, node.kwargs)
-    return node
-
-
-def alias_base(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` uses: through views, in-place ops and getitems."""
-    while node.op == "call_function":
-        if node.target is operator.getitem:
-            node = node.args[0]
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-            return node
-        sets = schema.returns[0].alias_info.before_set
-        src = None
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and (not sets or a.alias_info.before_set & sets):
-                src = op_args(node)[a.name]
-                break
-        if not isinstance(src, fx.Node):
-            return node
-        node = src
     return node
 
 
@@ -129,15 +106,12 @@ def functionalize_state(graph: fx.Graph, state: dict[fx.Node, tuple[str, str]]) 
                                    f"updated in place ({_where(node)}); take the view after the update")
         if node.op == "output":
             continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.is_mutable:
+        written = written_args(node)
+        if not written:
             base = alias_base(node)
             if base is not node and base in holds:
                 views[node] = holds[base]
             continue
-        bound = op_args(node)
-        written = [(i, bound[a.name]) for i, a in enumerate(schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
         for i, x in written:
             if isinstance(x, (list, tuple)):  # e.g. _foreach_mul_: refused when it writes into state
                 hit = [state[alias_base(t)] for t in x if isinstance(t, fx.Node) and alias_base(t) in state]
