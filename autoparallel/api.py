@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import cache, errors
 from .codegen import ParallelModule
+from .codegen.code import CommentedCode, readable
 from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
@@ -450,11 +451,13 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModul
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
+    graph.set_codegen(CommentedCode())
     gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
     if plan.checkpoint:
         stages = plan.checkpoint["stages"]
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
         apply_checkpointing(gm, stage_of, [region_from_json(r) for r in plan.checkpoint["regions"]])
+        readable(gm)  # the regions' own graphs print their comments too
     return gm
 
 

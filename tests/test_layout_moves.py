@@ -1,6 +1,8 @@
-"""Each one-step layout move of ``passes.apply_plan._Emitter`` on simulated ranks: the right
-local piece on every rank, in contiguous memory (what any next op can take, a ``view``
-included), and a 0-d tensor kept 0-d."""
+"""Each one-step layout move of ``passes.apply_plan._Emitter`` on simulated ranks, and the
+two-step redistributions it emits with fewer copies (gathers of one dim joined once, pieces a
+collective leaves at the front taken as they are by the next): the right local piece on every
+rank, in contiguous memory (what any next op can take, a ``view`` included), and a 0-d tensor
+kept 0-d."""
 
 import math
 from types import SimpleNamespace
@@ -13,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel.codegen.module import _mesh_coord
 from autoparallel.mesh import MeshSpec
-from autoparallel.passes.apply_plan import _Emitter
+from autoparallel.passes.apply_plan import _Emitter, process_groups
 from autoparallel.solver.layout import Move
 
 R, P = Replicate(), Partial()
@@ -30,6 +32,12 @@ CASES = {  # (global shape, source spec, move (kind, axis, src_dim, dst_dim), de
     "all_to_all dim 0 to 1": ((4, 6, 8), (Shard(0), R), ("all_to_all", 0, 0, 1), (Shard(1), R)),
     "slice dim 1": ((4, 6, 8), (Shard(0), R), ("slice", 1, None, 1), (Shard(0), Shard(1))),
     "mask 0-d": ((), (R, R), ("mask", 0, None, None), (P, R)),
+    # two moves: (kind, axis, src_dim, dst_dim) each
+    "all_gather dim 1 over both axes": ((2, 8, 6), (Shard(1), Shard(1)),
+                                        [("all_gather", 1, 1, None), ("all_gather", 0, 1, None)], (R, R)),
+    "all_gather dim 2 then all_to_all dim 0 to 2": ((4, 6, 8), (Shard(0), Shard(2)),
+                                                     [("all_gather", 1, 2, None), ("all_to_all", 0, 0, 2)],
+                                                     (Shard(2), R)),
 }
 
 
@@ -48,22 +56,25 @@ def piece(full: torch.Tensor, spec, coord) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES)
 def test_move(case, sim_mesh):
-    shape, src, (kind, axis, src_dim, dst_dim), dst = CASES[case]
+    shape, src, moves, dst = CASES[case]
+    moves = [Move(*m, 0) for m in (moves if isinstance(moves, list) else [moves])]
     mesh = sim_mesh(MESH)
     ranks = range(mesh.size())
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     graph = fx.Graph()
     coord_node, x = graph.placeholder("mesh_coord"), graph.placeholder("x")
-    em = _Emitter(graph, coord_node, SimpleNamespace(mesh=MeshSpec(MESH)),
-                  [mesh.get_group(a).group_name for a in range(len(MESH))])
-    graph.output(em.emit(x, shape, src, [Move(kind, axis, src_dim, dst_dim, 0)]))
+    spec = MeshSpec(MESH)
+    em = _Emitter(graph, coord_node, SimpleNamespace(mesh=spec),
+                  process_groups(spec.axis_names, [mesh.get_group(a).group_name for a in range(len(MESH))]))
+    graph.output(em.redistribute(x, shape, src, moves))
     module = fx.GraphModule(torch.nn.Module(), graph)
     with LocalTensorMode(frozenset(ranks)):
         coord = _mesh_coord(mesh)
     coords = {r: coord._local_tensors[r].tolist() for r in ranks}
     addends = {r: piece(full, src, coords[r]) for r in ranks}
     if P in src:  # a pending sum: every device holds a share (the addends sum to the value)
-        addends = {r: piece(full, [R if p == P else p for p in src], coords[r]) / MESH[axis] for r in ranks}
+        addends = {r: piece(full, [R if p == P else p for p in src], coords[r]) / MESH[moves[0].axis]
+                   for r in ranks}
     with LocalTensorMode(frozenset(ranks)):
         out = module(coord, LocalTensor(addends))
     for r in ranks:

@@ -4,49 +4,120 @@ The result computes on local shards. Its inputs are ``mesh_coord`` (this device'
 coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
 shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
 shards by :func:`~autoparallel.runtime_kernels.param_local`; gradients of parameters
-replicated along mesh axes are all-reduced in buckets (:func:`~autoparallel.runtime_kernels.grad_bucket`). Every resharding of the plan
+replicated along mesh axes are all-reduced in buckets
+(:func:`~autoparallel.runtime_kernels.grad_bucket`). Every redistribution of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
-``wait_tensor``, or a local chunk selected by the device's mesh coordinate. Shape
-arguments of views and expands are rewritten to local shapes, the capture device to the
-run device, squeezes to reshapes (a split dim may be 1 locally without being squeezable),
-the ``groups`` of a channel-split depthwise convolution to the local count,
-and a batch-split ``cross_entropy_loss`` with mean reduction becomes a local sum
-divided by the global count of kept targets.
+``wait_tensor``, or a local chunk selected by the device's mesh coordinate; one per
+(value, target placement), shared by the value's consumers. The capture device becomes the
+run device, and an op whose local form differs from the captured one (a shape argument, a
+mean over a split dim, ...) is emitted by its record's ``local`` hook
+(:mod:`autoparallel.strategies.records`).
+
+The emitted graph is meant to be read (``print(pmodel.graph_module.code)``): every value
+of the captured graph keeps its node name, so the code and the plan table agree; the local
+shard of a parameter is named after its fully qualified name; process groups are members
+of an enum named after the mesh axes (``Group.tp``); and each redistribution and each
+rewritten op carries ``node.meta["comment"]`` (module path, placements per mesh axis),
+which :class:`~autoparallel.codegen.code.CommentedCode` prints above it.
 """
 
 from __future__ import annotations
 
-import math
+import builtins
+import enum
+import keyword
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 
-from ..runtime_kernels import grad_bucket, param_local, returned
-from ..placement import P, R, Spec, local_shape, num_shards, partial_axes
+from ..graph import output_leaves, tensor_inputs
+from ..placement import P, R, Spec, local_shape, shard_axes
 from ..plan import Plan
+from ..runtime_kernels import grad_bucket, param_local, returned
 from ..solver.layout import Move
-from ..graph import bind_args, op_args, output_leaves, tensor_inputs
+from ..strategies.records import LocalCall, record_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-_CONV_GROUPS_ARG = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
-                    aten.convolution.default: 8}
-_SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
-_SHAPE_ARG_OPS = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
-                  aten.expand.default: 1}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_FX_GLOBALS = {"torch", "device", "inf", "nan", "math", "fx_pytree", "pytree", "NoneType", "Group"}  # names fx code binds
+
+
+def process_groups(axis_names, group_names: list[str]) -> list[enum.Enum]:
+    """The c10d process-group name of each mesh axis as a member of a ``str`` enum ``Group``
+    whose member names are the axis names: collectives take it where they take the group's
+    name (it is that string), and the emitted code reads ``Group.tp`` instead of ``'3'``.
+    Axis names that are not Python identifiers are made into ones."""
+    names: list[str] = []
+    for a, axis in enumerate(axis_names):
+        name = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in str(axis))
+        if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") \
+                or name in ("name", "value") or name in names:
+            name = f"axis{a}_{name}".rstrip("_") if name not in names else f"axis{a}"
+        names.append(name)
+    group = enum.StrEnum("Group", list(zip(names, group_names)), module=__name__)
+    return [group[n] for n in names]
+
+
+def placements_str(spec: Spec, axis_names) -> str:
+    """One placement per mesh axis, named: ``S<dim>(<axis>)``, ``P(<axis>)`` or ``R``, e.g.
+    ``S0(dp) S2(tp)`` (DTensor's order, not the plan table's one token per tensor dim)."""
+    out = []
+    for p, axis in zip(spec, axis_names):
+        if isinstance(p, Shard):
+            out.append(f"S{p.dim}({axis})")
+        elif isinstance(p, Partial):
+            out.append(f"P({axis})")
+        else:
+            out.append("R")
+    return " ".join(out)
+
+
+def _after(spec: Spec, m: Move) -> Spec:
+    """The spec after move ``m``."""
+    new = {"all_gather": R, "all_reduce": R, "mask": P}.get(m.kind)
+    if new is None:
+        if m.kind not in ("reduce_scatter", "all_to_all", "slice"):
+            raise ValueError(f"unknown move {m.kind}")
+        new = Shard(m.dst_dim)
+    return spec[:m.axis] + (new,) + spec[m.axis + 1:]
+
+
+@dataclass
+class _Pieces:
+    """A collective's result whose ``n`` pieces (``rows`` rows each, along dim 0) are not yet
+    joined along dim ``dim``: kept so while the next move can take them as they are."""
+
+    node: fx.Node
+    dim: int
+    n: int
+    rows: int
+    gathered: bool  # all-gathered: the pieces of ``dim`` along the mesh axes after the next one out
 
 
 class _Emitter:
-    def __init__(self, graph: fx.Graph, coord: fx.Node, plan: Plan, group_names: list[str]):
+    """Emits redistributions (:meth:`redistribute`) into ``graph``.
+
+    Args:
+        graph: the per-device graph being built.
+        coord: its ``mesh_coord`` placeholder.
+        plan: the plan (its mesh gives the axis sizes and names).
+        groups: the process group of each mesh axis (:func:`process_groups`, or plain names).
+        names: emitted node → preferred name, filled for the mesh-coordinate nodes.
+    """
+
+    def __init__(self, graph: fx.Graph, coord: fx.Node, plan: Plan, groups: list, names=None):
         self.g = graph
         self.coord = coord
-        self.plan = plan
-        self.groups = group_names
+        self.groups = groups
         self.mesh_shape = plan.mesh.shape
+        self.axis_names = plan.mesh.axis_names
+        self.names: dict[fx.Node, str] = {} if names is None else names
         self._coord_axis: dict[int, fx.Node] = {}
         self._first: dict[int, fx.Node] = {}
 
@@ -57,73 +128,89 @@ class _Emitter:
         return self.call(c10d.wait_tensor.default, x)
 
     def coord_of(self, a: int) -> fx.Node:
+        """This device's coordinate along mesh axis ``a`` (a 1-element tensor)."""
         if a not in self._coord_axis:
             self._coord_axis[a] = self.call(aten.slice.Tensor, self.coord, 0, a, a + 1)
+            self.names[self._coord_axis[a]] = f"coord_{self.axis_names[a]}"
         return self._coord_axis[a]
 
-    def emit(self, x: fx.Node, shape, spec: Spec, moves: list[Move]) -> fx.Node:
-        """Emit ``moves`` converting ``x`` (global ``shape``, current ``spec``).
+    def first_of(self, a: int) -> fx.Node:
+        """Whether this device is the first along mesh axis ``a`` (a 0-d bool tensor)."""
+        if a not in self._first:
+            self._first[a] = self.call(aten.eq.Scalar, self.call(aten.select.int, self.coord, 0, a), 0)
+            self.names[self._first[a]] = f"first_{self.axis_names[a]}"
+        return self._first[a]
+
+    def redistribute(self, x: fx.Node, shape, spec: Spec, moves: list[Move]) -> fx.Node:
+        """Emit ``moves`` redistributing ``x`` (global ``shape``, current ``spec``).
 
         Every collective leaves its result in contiguous (row-major) memory, as the value is
         on one device, so that any consumer (a ``view``, a value returned to the user) takes it
         as it is. A collective works along dim 0; a move along another dim ``d`` brings the
         ``n`` pieces of ``d`` to the front before it (``unflatten`` → ``movedim`` → one copy)
-        and puts them back after it, each side one copy at most and none for dim 0."""
+        and puts them back after it, each side one copy at most and none for dim 0. Pieces a
+        collective leaves at the front stay there while the next move takes them so: an
+        all-gather of the same dim along the next mesh axis out (one join for both), or a
+        move that would bring the same pieces to the front again (no join at all)."""
         for m in moves:
-            a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
-            loc = local_shape(shape, spec, self.mesh_shape)
-            if m.kind == "all_gather":
-                y = self.wait(self.call(c10d.all_gather_into_tensor.default, self.contiguous(x), n, grp))
-                x = self.pieces_back(y, m.src_dim, n, loc[0])
-                spec = spec[:a] + (R,) + spec[a + 1:]
-            elif m.kind == "reduce_scatter":
-                t = self.pieces_front(x, m.dst_dim, n, loc)
-                x = self.wait(self.call(c10d.reduce_scatter_tensor.default, t, "sum", n, grp))
-                spec = spec[:a] + (Shard(m.dst_dim),) + spec[a + 1:]
-            elif m.kind == "all_reduce":
-                x = self.wait(self.call(c10d.all_reduce.default, self.contiguous(x), "sum", grp))
-                spec = spec[:a] + (R,) + spec[a + 1:]
-            elif m.kind == "all_to_all":
-                d, d2 = m.src_dim, m.dst_dim
-                rows = (loc[0] // n) if d2 == 0 else loc[0]  # dim 0 of one piece
-                t = self.pieces_front(x, d2, n, loc)
-                y = self.wait(self.call(c10d.all_to_all_single.default, t, [rows] * n, [rows] * n, grp))
-                x = self.pieces_back(y, d, n, rows)
-                spec = spec[:a] + (Shard(d2),) + spec[a + 1:]
-            elif m.kind == "slice":
-                d = m.dst_dim
-                u = self.call(aten.unflatten.int, x, d, [n, loc[d] // n])
-                x = self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
-                spec = spec[:a] + (Shard(d),) + spec[a + 1:]
-            elif m.kind == "mask":
-                if a not in self._first:  # 0-d: the product keeps x's shape, a 0-d x included
-                    self._first[a] = self.call(aten.eq.Scalar, self.call(aten.select.int, self.coord, 0, a), 0)
-                x = self.call(aten.mul.Tensor, x, self._first[a])
-                spec = spec[:a] + (P,) + spec[a + 1:]
-            else:
-                raise ValueError(f"unknown move {m.kind}")
-        return x
+            x = self.move(x, shape, spec, m)
+            spec = _after(spec, m)
+        return self.joined(x)
+
+    def move(self, x, shape, spec: Spec, m: Move):
+        """One move; ``x`` and the result are nodes or :class:`_Pieces`."""
+        a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
+        loc = local_shape(shape, spec, self.mesh_shape)
+        if m.kind == "all_gather":
+            if isinstance(x, _Pieces) and x.gathered and x.dim == m.src_dim and max(shard_axes(spec, x.dim)) == a:
+                y = self.wait(self.call(c10d.all_gather_into_tensor.default, x.node, n, grp))
+                return _Pieces(y, x.dim, n * x.n, x.rows, True)
+            y = self.wait(self.call(c10d.all_gather_into_tensor.default, self.contiguous(self.joined(x)), n, grp))
+            return _Pieces(y, m.src_dim, n, loc[0], True) if m.src_dim else y
+        if m.kind == "reduce_scatter":
+            t = self.pieces_front(x, m.dst_dim, n, loc)
+            return self.wait(self.call(c10d.reduce_scatter_tensor.default, t, "sum", n, grp))
+        if m.kind == "all_reduce":
+            return self.wait(self.call(c10d.all_reduce.default, self.contiguous(self.joined(x)), "sum", grp))
+        if m.kind == "all_to_all":
+            d, d2 = m.src_dim, m.dst_dim
+            rows = (loc[0] // n) if d2 == 0 else loc[0]  # dim 0 of one piece
+            t = self.pieces_front(x, d2, n, loc)
+            y = self.wait(self.call(c10d.all_to_all_single.default, t, [rows] * n, [rows] * n, grp))
+            return _Pieces(y, d, n, rows, False) if d else y
+        if m.kind == "slice":
+            d = m.dst_dim
+            u = self.call(aten.unflatten.int, self.joined(x), d, [n, loc[d] // n])
+            return self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
+        if m.kind == "mask":  # 0-d factor: the product keeps x's shape, a 0-d x included
+            return self.call(aten.mul.Tensor, self.joined(x), self.first_of(a))
+        raise ValueError(f"unknown move {m.kind}")
 
     def contiguous(self, x: fx.Node) -> fx.Node:
+        """``x`` in contiguous memory (a collective's result already is)."""
+        if x.target is c10d.wait_tensor.default:
+            return x
         return self.call(aten.contiguous.default, x)
 
-    def pieces_front(self, x: fx.Node, d: int, n: int, loc) -> fx.Node:
+    def pieces_front(self, x, d: int, n: int, loc) -> fx.Node:
         """``x`` (local shape ``loc``) with the ``n`` pieces of dim ``d`` one after the other
         along dim 0, each piece contiguous: the input of a collective that sends piece ``i``
         to the ``i``-th device of the group."""
+        if isinstance(x, _Pieces) and x.dim == d and x.n == n:
+            return x.node  # the pieces of the last collective, not joined
+        x = self.joined(x)
         if d == 0:
             return self.contiguous(x)
         u = self.call(aten.movedim.int, self.call(aten.unflatten.int, x, d, [n, loc[d] // n]), d, 0)
         return self.call(aten.flatten.using_ints, self.contiguous(u), 0, 1)
 
-    def pieces_back(self, y: fx.Node, d: int, n: int, rows: int) -> fx.Node:
-        """Inverse of :meth:`pieces_front` on the output of a collective: ``y`` holds ``n``
-        pieces of ``rows`` rows along dim 0, the ``i``-th from the ``i``-th device of the
-        group; joined along dim ``d`` in that order (one copy unless ``d`` is 0)."""
-        if d == 0:
-            return y
-        u = self.call(aten.movedim.int, self.call(aten.unflatten.int, y, 0, [n, rows]), 0, d)
-        return self.call(aten.flatten.using_ints, u, d, d + 1)
+    def joined(self, x) -> fx.Node:
+        """``x`` as a node: the pieces of a :class:`_Pieces` joined along its dim in order (the
+        ``i``-th from the ``i``-th device of the group; one copy)."""
+        if not isinstance(x, _Pieces):
+            return x
+        u = self.call(aten.movedim.int, self.call(aten.unflatten.int, x.node, 0, [x.n, x.rows]), 0, x.dim)
+        return self.call(aten.flatten.using_ints, u, x.dim, x.dim + 1)
 
 
 def _replace_device(v, traced_on: str, device: str):
@@ -132,9 +219,209 @@ def _replace_device(v, traced_on: str, device: str):
     return v
 
 
+def _tail(graph: fx.Graph) -> fx.Node:
+    """The last node of ``graph`` (which holds at least ``mesh_coord``)."""
+    return next(iter(reversed(graph.nodes)))
+
+
+class _PerDeviceGraph:
+    """The steps of :func:`apply_plan`; one instance per call (arguments as there)."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
+                 param_targets: set[str], world_size: int, traced_on: str):
+        self.gm, self.plan, self.device, self.traced_on = gm, plan, device, traced_on
+        self.param_targets, self.world_size = param_targets, world_size
+        self.graph = fx.Graph()
+        self.names: dict[fx.Node, str] = {}  # emitted node → preferred name (:func:`_named_copy`)
+        self.groups = process_groups(plan.mesh.axis_names, group_names)
+        self.em = _Emitter(self.graph, self.graph.placeholder("mesh_coord"), plan, self.groups, self.names)
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.by_input = {(c.dst, c.arg): c for c in plan.conversions}
+        self.done: dict[tuple[fx.Node, Spec], fx.Node] = {}  # (value, target spec) → redistributed
+
+    def comment(self, since: fx.Node, text: str) -> None:
+        """Attach ``text`` to the first node emitted after ``since``, if any."""
+        if since.next.op != "root":
+            since.next.meta["comment"] = text
+
+    def parameters(self) -> None:
+        """Parameters and buffers: their local shards, and the gradient buckets of those
+        replicated along mesh axes (one per such set of axes and dtype)."""
+        ms = self.plan.mesh.shape
+        buckets: dict[tuple, list[fx.Node]] = {}
+        for node in self.gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            attr = self.graph.get_attr(node.target)
+            if node.target not in self.param_targets:
+                self.env[node] = attr
+                continue
+            self.names[attr] = f"{node.name}_dtensor"
+            self.env[node] = self.graph.call_function(param_local, (attr,))
+            spec = self.plan.nodes[node.name].output_specs[0]
+            groups = tuple(self.groups[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
+            if groups and node.meta["autoparallel"].requires_grad:
+                buckets.setdefault((groups, node.meta["val"].dtype), []).append(node)
+        for (groups, _), members in buckets.items():
+            for m in members:
+                self.names[self.env[m]] = f"{m.name}_local"
+            since = _tail(self.graph)
+            bucket = self.graph.call_function(grad_bucket, (groups, *[self.env[m] for m in members]))
+            self.comment(since, f"gradients of these {len(members)} parameters: all-reduced over "
+                                f"{', '.join(g.name for g in groups)} in the backward")
+            for i, m in enumerate(members):
+                self.env[m] = self.graph.call_function(operator.getitem, (bucket, i))
+
+    def redistributed(self, dst: str, j: int, x: fx.Node) -> fx.Node:
+        """Input ``j`` of node ``dst`` (``"output"``: returned value ``j``): ``x``
+        redistributed as the plan says, once per (value, target spec)."""
+        c = self.by_input.get((dst, j))
+        if c is None:
+            return self.env[x]
+        src = self.plan.nodes[x.name].output_specs[0]
+        target = src
+        for m in c.moves:
+            target = _after(target, m)
+        key = (x, target)
+        if key not in self.done:
+            module = self.plan.nodes[dst].module_path if dst in self.plan.nodes else "output"
+            names = self.plan.mesh.axis_names
+            what = (f"{module + ': ' if module else ''}redistribute {x.name} {placements_str(src, names)} -> "
+                    f"{placements_str(target, names)}")
+            since = _tail(self.graph)
+            view = self.replicated_view(x, target)
+            if view is not None:
+                view.meta["comment"] = f"{what}, a view of {x.args[0].name} redistributed"
+                self.done[key] = view
+            else:
+                self.done[key] = self.em.redistribute(self.env[x], c.shape, src, c.moves)
+                self.comment(since, what)
+        return self.done[key]
+
+    def replicated_view(self, x: fx.Node, target: Spec) -> fx.Node | None:
+        """When ``x`` (to be replicated) is a view of a value the plan replicates too, the view
+        of that replicated value (the logits and their flattened view for the loss: one
+        all-gather, not two); else ``None``."""
+        if x.target not in _VIEWS or any(p != R for p in target) or not isinstance(x.args[0], fx.Node):
+            return None
+        base = x.args[0]
+        for c in self.plan.conversions:
+            if c.src == base.name and c.src_index == 0 and c.dst != x.name:
+                spec = self.plan.nodes[base.name].output_specs[0]
+                for m in c.moves:
+                    spec = _after(spec, m)
+                if all(p == R for p in spec):
+                    y = self.redistributed(c.dst, c.arg, base)
+                    return self.em.call(aten.reshape.default, y, list(self.plan.nodes[x.name].out_shapes[0]))
+        return None
+
+    def op(self, node: fx.Node) -> None:
+        """A ``call_function`` node on local shards: its inputs redistributed, then the op (or
+        its record's local form, commented when it differs from the captured call)."""
+        np_ = self.plan.nodes[node.name]
+        leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+        leaves = [self.env[x] if isinstance(x, fx.Node) else _replace_device(x, self.traced_on, self.device)
+                  for x in leaves]
+        for j, (li, x) in enumerate(tensor_inputs(node)):
+            leaves[li] = self.redistributed(node.name, j, x)
+        args, kwargs = pytree.tree_unflatten(leaves, tree)
+        em = self.em
+        call = LocalCall(node, tuple(args), kwargs, np_.in_shapes, np_.out_shapes, np_.input_specs,
+                         np_.output_specs, self.plan.mesh.shape, self.graph, lambda x, a: em.wait(
+                             em.call(c10d.all_reduce.default, x, "sum", em.groups[a])))
+        record = record_of(node.target)
+        since = _tail(self.graph)
+        self.env[node] = record.local(call) if record is not None and record.local is not None else call.emit()
+        if _rewritten(since, self.env[node], node.target, leaves):
+            names = self.plan.mesh.axis_names
+            ins = ", ".join(placements_str(s, names) for s in np_.input_specs)
+            outs = ", ".join(placements_str(s, names) for s in np_.output_specs)
+            self.comment(since, f"{np_.module_path + ': ' if np_.module_path else ''}{node.name} rewritten for "
+                                f"local shards: {ins} -> {outs}")
+
+    def output(self, node: fx.Node) -> None:
+        """The returned values: whole (replicated) tensors, their gradient seeded once."""
+        returned_leaves = output_leaves(node)
+        outs = []
+        for x in pytree.tree_leaves(node.args[0]):
+            if x not in returned_leaves:
+                outs.append(self.env[x] if isinstance(x, fx.Node) else x)
+                continue
+            y = self.redistributed("output", returned_leaves.index(x), x)
+            if x.meta["val"].dtype.is_floating_point:
+                y = self.graph.call_function(returned, (y, self.world_size))
+            outs.append(y)
+        self.graph.output(tuple(outs))
+
+    def build(self) -> fx.Graph:
+        self.parameters()
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.graph.placeholder(node.name)
+            elif node.op == "call_function":
+                self.op(node)
+            elif node.op == "output":
+                self.output(node)
+        self.graph.eliminate_dead_code()
+        _tag_sources(self.graph, self.env)
+        graph = _named_copy(self.graph, self.env, self.names, {n.name for n in self.gm.graph.nodes})
+        graph.lint()
+        return graph
+
+
+def _rewritten(since: fx.Node, value: fx.Node, target, leaves: list) -> bool:
+    """Whether the nodes emitted after ``since`` for an op (its value ``value``) are other than
+    one call of ``target`` on the arguments ``leaves``."""
+    if since.next is not value or value.target != target:
+        return True
+    now = pytree.tree_leaves((value.args, value.kwargs))
+    return len(now) != len(leaves) or any(a is not b and (type(a) is not type(b) or isinstance(a, torch.Tensor)
+                                                          or a != b) for a, b in zip(now, leaves))
+
+
+def _named_copy(graph: fx.Graph, env: dict[fx.Node, fx.Node], preferred: dict[fx.Node, str],
+                reserved: set[str]) -> fx.Graph:
+    """``graph`` copied with readable names: the value of every traced node is named as that
+    node (so the code and the plan table agree), other nodes by ``preferred`` or their op,
+    made unique without taking a traced node's name or a Python builtin's."""
+    final = {}
+    for traced, v in env.items():
+        if isinstance(v, fx.Node) and v not in final:
+            final[v] = traced.name
+    taken = set(reserved) | set(final.values())
+    counts: dict[str, int] = {}
+    new = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        name = final.get(n)
+        if name is None:
+            base = preferred.get(n) or _op_name(n)
+            name, i = base, counts.get(base, 0)
+            while name in taken or keyword.iskeyword(name) or hasattr(builtins, name) or name in _FX_GLOBALS:
+                i += 1
+                name = f"{base}_{i}"
+            counts[base] = i
+            taken.add(name)
+        args = fx.map_arg(n.args, copies.__getitem__)
+        kwargs = fx.map_arg(n.kwargs, copies.__getitem__)
+        copies[n] = new.create_node(n.op, n.target, args, kwargs, name=name if n.op != "output" else None,
+                                    type_expr=n.type)
+        copies[n].meta = dict(n.meta)
+    return new
+
+
+def _op_name(n: fx.Node) -> str:
+    """A node's name from what it does: ``all_gather_into_tensor``, ``param_local``, ..."""
+    if n.op in ("placeholder", "output"):
+        return n.name
+    if n.op == "get_attr":
+        return n.target.replace(".", "_")
+    return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", None) or n.name
+
+
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                param_targets: set[str], world_size: int, traced_on: str = "meta") -> fx.Graph:
-    """Build the per-device graph for ``plan``.
+    """Build the per-device graph for ``plan`` (module docstring).
 
     Args:
         gm: the traced graph the plan was made for.
@@ -148,103 +435,12 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
     """
-    graph = fx.Graph()
-    coord = graph.placeholder("mesh_coord")
-    em = _Emitter(graph, coord, plan, group_names)
-    env: dict[fx.Node, fx.Node] = {}
-    conv = {(c.dst, c.arg): c for c in plan.conversions}
-    converted: dict[tuple, fx.Node] = {}
-    ms = plan.mesh.shape
-
-    def fetch(dst_name: str, j: int, x: fx.Node) -> fx.Node:
-        """Input ``j`` of ``dst_name``: ``x`` converted as the plan says (shared by consumers)."""
-        c = conv.get((dst_name, j))
-        if c is None:
-            return env[x]
-        key = (x, tuple(c.moves))
-        if key not in converted:
-            converted[key] = em.emit(env[x], c.shape, plan.nodes[x.name].output_specs[0], c.moves)
-        return converted[key]
-
-    # parameters and buffers: local shards; gradients bucketed per (mesh axes replicated over, dtype)
-    buckets: dict[tuple, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        attr = graph.get_attr(node.target)
-        if node.target not in param_targets:
-            env[node] = attr
-            continue
-        env[node] = graph.call_function(param_local, (attr,))
-        spec = plan.nodes[node.name].output_specs[0]
-        groups = tuple(group_names[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
-        if groups and node.meta["autoparallel"].requires_grad:
-            buckets.setdefault((groups, node.meta["val"].dtype), []).append(node)
-    for (groups, _), members in buckets.items():
-        bucket = graph.call_function(grad_bucket, (groups, *[env[m] for m in members]))
-        for i, m in enumerate(members):
-            env[m] = graph.call_function(operator.getitem, (bucket, i))
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = graph.placeholder(node.name)
-        elif node.op == "get_attr":
-            continue
-        elif node.op == "call_function":
-            np_ = plan.nodes[node.name]
-            leaves, spec_tree = pytree.tree_flatten((node.args, node.kwargs))
-            new_leaves = [env[x] if isinstance(x, fx.Node) else _replace_device(x, traced_on, device) for x in leaves]
-            for j, (li, x) in enumerate(tensor_inputs(node)):
-                new_leaves[li] = fetch(node.name, j, x)
-            args, kwargs = pytree.tree_unflatten(new_leaves, spec_tree)
-            if node.target in _SHAPE_ARG_OPS and np_.output_specs:
-                i = _SHAPE_ARG_OPS[node.target]
-                loc = local_shape(np_.out_shapes[0], np_.output_specs[0], ms)
-                old = list(args[i])
-                args = list(args)
-                args[i] = [-1 if (node.target == aten.expand.default and s == -1) else l
-                           for s, l in zip(old, loc)]
-                args = tuple(args)
-            if node.target in _CONV_GROUPS_ARG and len(args) > _CONV_GROUPS_ARG[node.target]:
-                i = _CONV_GROUPS_ARG[node.target]
-                pieces = num_shards(np_.input_specs[0], 1, ms)  # depthwise: channels split with their groups
-                if args[i] > 1 and pieces > 1:
-                    args = args[:i] + (args[i] // pieces,) + args[i + 1:]
-            if node.target in _SQUEEZES:
-                target = aten.reshape.default
-                args = (args[0], list(local_shape(np_.out_shapes[0], np_.output_specs[0], ms)))
-            else:
-                target = node.target
-            if node.target == aten.cross_entropy_loss.default and partial_axes(np_.output_specs[0]):
-                env[node] = _split_batch_cross_entropy(graph, em, args, kwargs, np_.output_specs[0])
-                continue
-            new = graph.call_function(target, tuple(args), kwargs)
-            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-            if node.target in (aten.mean.dim, aten.mean.default):
-                pieces = _mean_pieces(node, np_, ms)
-                if pieces > 1:  # local mean over a split dim: the pending sum must be the global mean
-                    new = graph.call_function(aten.div.Tensor, (new, pieces))
-            env[node] = new
-        elif node.op == "output":
-            returned_leaves = output_leaves(node)
-            outs = []
-            for x in pytree.tree_leaves(node.args[0]):
-                if x not in returned_leaves:
-                    outs.append(env[x] if isinstance(x, fx.Node) else x)
-                    continue
-                y = fetch("output", returned_leaves.index(x), x)
-                if x.meta["val"].dtype.is_floating_point:
-                    y = graph.call_function(returned, (y, world_size))
-                outs.append(y)
-            graph.output(tuple(outs))
-    graph.eliminate_dead_code()
-    graph.lint()
-    _tag_sources(graph, env)
-    return graph
+    return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on).build()
 
 
 def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
     """``meta["source"]``: the traced node each emitted node was emitted for. A traced
-    node's value is the last node emitted for it (its input conversions come first), so
+    node's value is the last node emitted for it (its input redistributions come first), so
     walking backwards, every node belongs to the next value in graph order."""
     origin = {v: k.name for k, v in env.items() if isinstance(v, fx.Node)}
     current = None
@@ -254,40 +450,3 @@ def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
         current = origin.get(n, current)
         if current is not None:
             n.meta["source"] = current
-
-
-def _split_batch_cross_entropy(graph, em: _Emitter, args, kwargs, out_spec) -> fx.Node:
-    """cross_entropy on a batch split over mesh axes: the local sum (weight, ignore_index and
-    label_smoothing as given), divided for 'mean' by the global denominator torch uses: the
-    count of kept (not ignored) targets, or with a weight the sum of their classes' weights."""
-    a = bind_args(aten.cross_entropy_loss.default, args, kwargs)
-    x, t, w, ignore = a["self"], a["target"], a["weight"], a["ignore_index"]
-    loss = graph.call_function(aten.cross_entropy_loss.default, (x, t, w, 2, ignore, a["label_smoothing"]))
-    if a["reduction"] == 2:
-        return loss
-    kept = graph.call_function(aten.ne.Scalar, (t, ignore))
-    if w is None:
-        den = graph.call_function(aten.sum.default, (kept,))
-        den = graph.call_function(aten._to_copy.default, (den,), {"dtype": torch.float32})
-    else:  # the weight of each kept target's class, 0 for ignored ones
-        cls = graph.call_function(aten.where.ScalarOther, (kept, t, 0))
-        wt = graph.call_function(aten.index_select.default, (w, 0, graph.call_function(aten.reshape.default,
-                                                                                       (cls, [-1]))))
-        flat = graph.call_function(aten.reshape.default, (kept, [-1]))
-        den = graph.call_function(aten.sum.default, (graph.call_function(aten.mul.Tensor, (wt, flat)),))
-    for ax in partial_axes(out_spec):
-        den = em.wait(em.call(c10d.all_reduce.default, den, "sum", em.groups[ax]))
-    return graph.call_function(aten.div.Tensor, (loss, den))
-
-
-def _mean_pieces(node: fx.Node, np_, mesh_shape) -> int:
-    """Into how many pieces the reduced dims of a mean are split."""
-    nd = len(np_.in_shapes[0])
-    dims = op_args(node)["dim"] if node.target == aten.mean.dim else None
-    dims = list(range(nd)) if dims is None else dims
-    spec = np_.input_specs[0]
-    n = 1
-    for d in {x % nd for x in dims}:
-        n *= math.prod(mesh_shape[a] for a, p in enumerate(spec)
-                       if isinstance(p, Shard) and p.dim == d)
-    return n
