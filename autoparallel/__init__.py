@@ -2,7 +2,8 @@
 
 ``autoparallelize(model, meta_inputs, device_mesh=mesh)`` returns a module that trains on
 every device of the mesh and computes what the single-device model computes;
-``plan(model, meta_inputs, mesh_shape=...)`` runs the same search with no devices.
+``plan(model, meta_inputs, mesh_shape=...)`` runs the same search with no devices;
+``profile_mesh(device_mesh)`` measures the costs of a real mesh.
 """
 
 from ._torchvision_compat import install as _install_torchvision_compat  # isort: skip
@@ -15,9 +16,12 @@ from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, Input
                      MeshMismatchError, PlanMismatchError, ShardingRuleError)
 from .mesh import MeshSpec
 from .plan import Plan
+from .profile import calibrate_device, profile_mesh
 from .solver import CostModel, DevicePreset
+from .solver.costs import CollectiveTable, CommProfile
 from .validate import validate_plan
 
 __all__ = ["autoparallelize", "plan", "coverage", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
+           "profile_mesh", "calibrate_device", "CommProfile", "CollectiveTable",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
            "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan"]

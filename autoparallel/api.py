@@ -29,6 +29,7 @@ from .passes.dropout import shard_random_ops
 from .solver.remat import region_from_json
 from .placement import R, Spec, spec_str, spec_to_json
 from .plan import Plan
+from .profile import profile_mesh
 from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, parse_bytes
 from .solver.planner import Planner
@@ -94,6 +95,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks,
                       memory=memory)
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
+    plan.estimate["costs"] = cost_model.describe()
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
              st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
@@ -142,8 +144,11 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         mesh_shape: devices per mesh axis, e.g. ``(2, 4)``, or an int for a 1-D mesh; or
             give ``mesh_spec`` (not both).
         mesh_spec: a :class:`MeshSpec` (shape, axis names, alpha/beta); the same keyword as
-            :func:`autoparallelize`'s.
-        cost_model: a :class:`CostModel` (default: A100 preset).
+            :func:`autoparallelize`'s. With neither, a profiled ``cost_model`` gives its mesh
+            (:meth:`~autoparallel.solver.costs.CommProfile.mesh_spec`).
+        cost_model: a :class:`CostModel` (default: A100 preset); a saved profile of a real
+            mesh prices it as measured: ``CostModel.from_profile(path)``.
+            ``plan.estimate["costs"]`` records which costs priced the plan.
         strict: error on ops without a sharding rule instead of replicating them.
         solver: ``"cbc"`` or ``"highs"``.
         time_limit: seconds for the ILP solver.
@@ -173,7 +178,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             (a budget no plan fits raises InfeasiblePlanError with the smallest reachable peak).
         TypeError: an argument of the wrong type, e.g. ``mesh_shape`` not an int or a
             sequence of ints (:func:`autoparallel.validate.check_planning_arguments`).
-        ValueError: neither or both of ``mesh_shape`` and ``mesh_spec``, a mesh axis below 1, an
+        ValueError: neither (unless ``cost_model`` is profiled) or both of ``mesh_shape`` and
+            ``mesh_spec``, a mesh shape other than a profiled ``cost_model``'s, a mesh axis below 1, an
             unreadable ``memory_budget``, an unknown ``solver``, ``parallelism`` or
             ``optimizer``, a ``time_limit`` that is not positive.
     """
@@ -183,6 +189,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
                         f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
     mesh = _mesh_spec_keyword(mesh_spec, mesh)
+    if mesh is None and mesh_shape is None and isinstance(cost_model, CostModel) and cost_model.profile:
+        mesh = cost_model.profile.mesh_spec()  # the profiled mesh with its links' alpha and beta
     if (mesh is None) == (mesh_shape is None):
         raise ValueError("plan() needs one of mesh_shape=(...) and mesh_spec=MeshSpec(...), "
                          + ("not both" if mesh is not None else "got neither"))
@@ -248,11 +256,17 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             the module will be called with (``use_cache=False``), whose values are planned for.
         device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` spanning the world, its
             ranks in any order along each axis.
-        cost_model: a :class:`CostModel` (default: A100 preset).
+        cost_model: a :class:`CostModel`. Default: the costs of this mesh, measured by
+            :func:`autoparallel.profile_mesh` on first use (every rank, seconds) and loaded
+            from the cache folder's ``profiles/`` afterwards (``cache_dir=False`` turns off
+            the plan cache only: the profile, which describes the machine, still goes to the
+            default folder); the A100 preset when ``mesh_spec`` or ``plan`` is given, and
+            under simulated ranks (the ``fake`` process group has no network to measure).
         strict: error on ops without a sharding rule instead of replicating them.
         solver / time_limit: the ILP solver and its limit in seconds.
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
-        mesh_spec: alpha/beta per mesh axis (default: :class:`MeshSpec` defaults).
+        mesh_spec: alpha/beta per mesh axis (default: the profile's, see ``cost_model``, or
+            :class:`MeshSpec` defaults).
         share_blocks / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
         replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
             values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
@@ -307,6 +321,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         raise AutoParallelError(f"autoparallelize needs the model's real weights, but {len(on_meta)} parameters "
                                 f"(e.g. {on_meta[0]}) are on the meta device; load or initialize them first, "
                                 "or use autoparallel.plan() to plan without weights")
+    if cost_model is None and mesh_spec is None and plan is None and not _is_simulated():
+        # price the mesh it runs on: measured on first use (every rank), loaded from the cache after
+        cost_model = CostModel.from_profile(profile_mesh(device_mesh, cache_dir=cache_dir or None))
+        mesh_spec = cost_model.profile.mesh_spec(device_mesh.mesh_dim_names)
     mesh = mesh_spec or MeshSpec.from_device_mesh(device_mesh)
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
