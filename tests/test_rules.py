@@ -31,7 +31,8 @@ from autoparallel.graph import op_args, tensor_inputs
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.strategies.coverage import FALLBACK, RULE, coverage_of
 from autoparallel.strategies.engine import DimMap
-from autoparallel.strategies.rules import REPLICATE_ONLY, RULES, pointwise_dimmap
+from autoparallel.strategies.records import RECORDS, OpRecord
+from autoparallel.strategies.rules import REPLICATE_ONLY, pointwise_dimmap
 from autoparallel.tracer import ColoTracer
 
 aten = torch.ops.aten
@@ -112,6 +113,41 @@ SAMPLES = {
     "gather_index_select": (lambda x, i, y, j: (torch.gather(x, 1, i), torch.gather(x, -1, i[:, :1]),
                                                  y.index_select(1, j), y.index_select(-1, j[:2]), x[i]),
                             [(4, 8), _int(4, 4, 3), (4, 8, 6), _int(6, 3)]),
+    # channels split by whole groups only (2 groups: not 4 ways), with and without affine
+    "group_norm": (lambda x, w, b: (F.group_norm(x, 4, w, b), F.group_norm(x, 2), F.group_norm(x[:, :, 0], 1, w)),
+                   [(4, 8, 3), (8,), (8,)]),
+    "einsum": (lambda a, b, c: (torch.einsum("bij,bjk->bik", a, b), torch.einsum("bij->j", a),
+                                torch.einsum("...ij,...jk", a, b), torch.einsum("ii->i", c),
+                                torch.einsum("bij,bjk->bik", a, b[:1]), torch.einsum("ij,ij->", c, c * 2),
+                                torch.einsum("...ij->ij", a), torch.einsum("b i j , j -> b i", a, c[0])),
+               [(4, 8, 4), (4, 4, 8), (4, 4)]),
+    # mean over a split input divides the local sum by the global count; broadcast weights stay whole
+    "bce_with_logits": (lambda x, t, w, pw: (
+        F.binary_cross_entropy_with_logits(x, t.detach().sigmoid()),
+        F.binary_cross_entropy_with_logits(x, t.detach().sigmoid(), weight=w.detach(), pos_weight=_pos(pw).detach(),
+                                           reduction="sum"),
+        F.binary_cross_entropy_with_logits(x, t.detach().sigmoid(), weight=_pos(t).detach()),
+        F.binary_cross_entropy_with_logits(x, t.detach().sigmoid(), weight=w[None].detach(),
+                                           pos_weight=_pos(pw).detach(), reduction="none")),
+        [(4, 8), (4, 8), (8,), (8,)]),
+    # bags of one length (a 2-D input): split by bags
+    "embedding_bag": (lambda w, i, p: (F.embedding_bag(i, w, mode="mean"), F.embedding_bag(i, w, mode="max"),
+                                       F.embedding_bag(i, w, mode="sum", per_sample_weights=p, padding_idx=0),
+                                       aten.embedding_bag.default(w, i.flatten(), torch.arange(0, 12, 3))[0]),
+                      [(32, 16), _int(32, 4, 3), (4, 3)]),
+    # lstm: batch first, a learnt initial state; gru: time first, bidirectional, two layers, no biases
+    "lstm_gru": (lambda x, h, w1, w2, b1, b2, g1, g2, g3, g4: (
+        *aten.lstm.input(x, [h, torch.zeros(1, 4, 6)], [w1, w2, b1, b2], True, 1, 0.0, True, False, True),
+        *aten.gru.input(x.transpose(0, 1), torch.zeros(4, 4, 6), [g1, g2, g1, g2, g3, g4, g3, g4], False, 2, 0.5,
+                       False, True, False)),
+        [(4, 5, 8), (1, 4, 6), (24, 8), (24, 6), (24,), (24,), (18, 8), (18, 6), (18, 12), (18, 6)]),
+    "weight_norm": (lambda v, g, g2, g3: (aten._weight_norm.default(v, g), aten._weight_norm.default(v, g2, 2),
+                                          aten._weight_norm.default(v, g3, -1)), [(8, 4, 4), (8, 1, 1), (1, 1, 4), (1, 1, 1)]),
+    # in place on activations: the written tensor keeps its split
+    "in_place": (lambda x, m, j, v, v2: (
+        F.hardswish(x * 1, inplace=True), (x * 1).fill_(v[0, 0]), aten.index_put_.default(x * 1, [m], v),
+        aten.index_put_.default(x * 1, [j], v2, True), aten.index_put_.default(x * 1, [None, j[:2]], v[0, 0]),
+        x[:, :, 0].T), [(4, 8, 4), _bool(4), _int(4, 3), (8, 4), (3, 8, 4)]),
     # pointwise, with broadcasting either way and Partial-linear ops
     "pointwise_unary": (lambda x: (
         -x, x.exp(), _pos(x).log(), x.tanh(), x.sigmoid(), F.silu(x), F.gelu(x), F.relu(x), torch.erf(x), x.cos(),
@@ -199,7 +235,7 @@ SAMPLES = {
     "new_ones": (lambda x: x * x.new_ones((4, 8)).tril(), [(4, 8)]),
 }
 
-TWO_D = {"linear_bias", "addmm", "bmm_baddbmm", "conv2d_depthwise", "embedding", "layer_norm", "sdpa_mask",
+TWO_D = {"group_norm", "einsum", "linear_bias", "addmm", "bmm_baddbmm", "conv2d_depthwise", "embedding", "layer_norm", "sdpa_mask",
          "sdpa_causal_gqa", "cross_entropy_ignore", "gather_index_select", "broadcast_either_side", "type_as",
          "view_merge_split", "view_as_reshape_as_expand_as", "expand", "along_dims", "sum_mean", "reductions"}
 """Samples also checked on a (2, 2) mesh (labels split over two axes, Partial on one axis
@@ -354,7 +390,7 @@ def test_every_rule_op_has_a_sample():
     for fn, specs in SAMPLES.values():
         _, traced = _captured(fn, tuple(specs))
         seen.update(n.target for n in traced.gm.graph.nodes if n.op == "call_function")
-    missing = sorted(str(op) for op in RULES if op not in seen)
+    missing = sorted(str(op) for op in RECORDS if op not in seen)
     assert not missing, f"ops with a rule but no sample in tests/test_rules.py: {missing}"
     assert REPLICATE_ONLY & seen
 
@@ -385,7 +421,7 @@ def test_a_node_no_rule_covers_is_a_fallback_everywhere(monkeypatch):
     generator records it (plan.solver_stats["fallback_ops"]), coverage() reports it as a
     replicate fallback beside the op's covered node, and strict=True raises for it."""
     op = "aten.huber_loss.default"
-    monkeypatch.setitem(RULES, aten.huber_loss.default, _huber_rule)
+    monkeypatch.setitem(RECORDS, aten.huber_loss.default, OpRecord(_huber_rule))
     model = _HuberLosses()
     inputs = (torch.empty(8, 16, device="meta"), torch.empty(8, 10, device="meta"))
     traced = ColoTracer().trace(model, inputs)

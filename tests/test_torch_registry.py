@@ -16,7 +16,8 @@ from autoparallel.errors import ShardingRuleError
 from autoparallel.placement import R
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.strategies.coverage import coverage_of
-from autoparallel.strategies.rules import REPLICATE_ONLY, RULES
+from autoparallel.strategies.records import RECORDS
+from autoparallel.strategies.rules import REPLICATE_ONLY
 from autoparallel.strategies.torch_registry import registry_strategies
 from autoparallel.tracer import ColoTracer
 from models import FAMILIES, TIMM, batch_for, build_model, to_meta
@@ -65,7 +66,7 @@ def test_every_zoo_op_asks_the_registry(zoo_graphs):
                 per_op[mesh_shape] = max(per_op.get(mesh_shape, -1), n)
     registered = sorted(str(op) for op, v in best.items() if max(v.values()) > 0)
     without_rule = sorted(str(op) for op, v in best.items()
-                          if max(v.values()) > 0 and op not in RULES and op not in REPLICATE_ONLY)
+                          if max(v.values()) > 0 and op not in RECORDS and op not in REPLICATE_ONLY)
     print(f"\n{nodes} op nodes, {len(best)} ops; split strategies from the registry for {len(registered)}; "
           f"ops without our rule among them: {without_rule}")
     assert KNOWN_REGISTERED <= set(best), "the zoo no longer uses these ops: update KNOWN_REGISTERED"
@@ -134,7 +135,7 @@ REGISTRY_TARGETS = {"min_other": {aten.min.other}, "atan2": {aten.atan2.default}
 @pytest.mark.parametrize("name", sorted(REGISTRY_SAMPLES))
 def test_every_registry_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
     targets = REGISTRY_TARGETS[name]
-    assert not targets & set(RULES), f"{name}: we have a rule now; pick another op without one"
+    assert not targets & set(RECORDS), f"{name}: we have a rule now; pick another op without one"
     seen: set = set()
     gen = _check_all_strategies(name, mesh_shape, sim_mesh, seen, samples=REGISTRY_SAMPLES)
     assert targets <= seen

@@ -10,11 +10,11 @@ import torch
 import torch.fx as fx
 
 from ..mesh import MeshSpec
-from ..placement import R, Spec, local_shape, partial_axes
+from ..placement import R, Spec, local_shape
 from ..errors import InfeasiblePlanError
 from ..plan import Conversion, NodePlan, Plan
 from ..graph import aliased_input, is_view, output_leaves, tensor_inputs, written_inputs
-from ..strategies import Strategy
+from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
 from .blocks import block_key, find_repeated_blocks
 from .costs import CostModel
@@ -94,10 +94,8 @@ class Planner:
                        for (_, x), sp in zip(tensor_inputs(node), s.inputs))
         compute = self.cm.compute_time(node.target, info.flops / s.split, in_bytes + out_bytes,
                                        info.dtype if info.outputs else None, info.requires_grad and backward)
-        comm = 0.0
-        if node.target == aten.cross_entropy_loss.default:
-            for a in partial_axes(s.outputs[0]):  # global count of kept targets
-                comm += self.cm.collective_time("all_reduce", a, 8)
+        record = record_of(node.target)
+        comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
 
     def _convert(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):

@@ -1,7 +1,14 @@
-"""Strategy generation: which shardings each op of the graph admits."""
+"""Strategy generation: which shardings each op of the graph admits.
 
+Every op's knowledge lives in its record (:mod:`.records`); the modules imported here
+register them: :mod:`.rules` (pointwise, shape, reduction, matmul and NN ops),
+:mod:`.losses`, :mod:`.einsum`, :mod:`.recurrent`.
+"""
+
+from . import einsum, losses, recurrent, rules  # noqa: F401  (they register the records)
 from .engine import DimMap, Strategy, enumerate_strategies
 from .generator import StrategyGenerator
-from .rules import RULES
+from .records import RECORDS, LocalCall, OpRecord, record, record_of
 
-__all__ = ["DimMap", "Strategy", "enumerate_strategies", "StrategyGenerator", "RULES"]
+__all__ = ["DimMap", "Strategy", "enumerate_strategies", "StrategyGenerator", "RECORDS", "LocalCall",
+           "OpRecord", "record", "record_of"]

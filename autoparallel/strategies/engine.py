@@ -55,8 +55,11 @@ class DimMap:
         in_shapes / out_shapes: the global shapes, used for the divisibility check.
         reduce: labels summed over by the op.
         partial: groups of input positions in which the op is linear.
-        whole: input positions held replicated whatever the mesh axes split (a class
-            weight read by every term of the sum, unlike a bias added after it).
+        factors: input positions that scale the summed terms (a class weight, a loss
+            weight): replicated along a split ``reduce`` label they lack, where a bias
+            added after the sum would be ``Partial``.
+        blocks: label → a count the label's number of pieces must divide as well as its
+            dims' sizes (``group_norm``'s channels split by whole groups).
     """
 
     inputs: list[tuple[Label | None, ...]]
@@ -65,13 +68,12 @@ class DimMap:
     out_shapes: list[tuple[int, ...]]
     reduce: frozenset = frozenset()
     partial: list[frozenset[int]] = field(default_factory=list)
-    whole: frozenset[int] = frozenset()
+    factors: frozenset[int] = frozenset()
+    blocks: dict = field(default_factory=dict)
 
 
 def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
-              pos: int, whole: frozenset = frozenset()) -> Spec | None:
-    if is_input and pos in whole:
-        return (R,) * len(assign)
+              pos: int, factors: frozenset = frozenset()) -> Spec | None:
     spec = []
     for kind, val in assign:
         if kind is None:
@@ -80,7 +82,7 @@ def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozense
             if val in labels:
                 spec.append(Shard(labels.index(val)))
             elif val in reduce:
-                spec.append(P)
+                spec.append(R if is_input and pos in factors else P)
             elif is_input:
                 spec.append(R)
             else:
@@ -88,6 +90,11 @@ def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozense
         else:  # partial group
             spec.append(P if (not is_input or pos in val) else R)
     return tuple(spec)
+
+
+def _pieces(mesh_shape: Sequence[int], assign: Sequence, label: Label) -> int:
+    """Into how many pieces ``assign`` splits ``label``."""
+    return math.prod(mesh_shape[a] for a, (k, v) in enumerate(assign) if k == "label" and v == label)
 
 
 def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy]:
@@ -107,18 +114,18 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
             for d, lab in enumerate(labs):
                 if lab is None:
                     continue
-                n = math.prod(mesh_shape[a] for a, (k, v) in enumerate(assign) if k == "label" and v == lab)
+                n = _pieces(mesh_shape, assign, lab)
                 if n > 1 and shape[d] % n:
                     ok = False
                     break
             if not ok:
                 break
-        if not ok:
+        if not ok or any(count % _pieces(mesh_shape, assign, lab) for lab, count in dm.blocks.items()):
             continue
         # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
         if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
             continue
-        ins = [_spec_for(labs, assign, dm.reduce, True, i, dm.whole) for i, labs in enumerate(dm.inputs)]
+        ins = [_spec_for(labs, assign, dm.reduce, True, i, dm.factors) for i, labs in enumerate(dm.inputs)]
         outs = [_spec_for(labs, assign, dm.reduce, False, i) for i, labs in enumerate(dm.outputs)]
         if any(s is None for s in outs):
             continue

@@ -1,5 +1,6 @@
-"""Per-node strategy lists for a traced graph: our own rule, else DTensor's sharding
-registry (:mod:`.torch_registry`), else replicate fallback."""
+"""Per-node strategy lists for a traced graph: our own rule (the op's record), else DTensor's
+sharding registry (:mod:`.torch_registry`), else the pointwise rule for ops torch tags
+pointwise, else replicate fallback."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ..placement import P, R
 from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy, enumerate_strategies
 from ..graph import tensor_inputs
-from .rules import REPLICATE_ONLY, RULES
+from .records import is_pointwise, record_of
+from .rules import POINTWISE_RECORD, REPLICATE_ONLY
 from .torch_registry import registry_strategies
 
 RULE = "rule"
@@ -47,10 +49,11 @@ def _partial_ok(strategy: Strategy, in_dtypes, out_dtypes) -> bool:
 def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Strategy], str]:
     """The strategies of an annotated ``call_function`` node on a mesh, and their source.
 
-    The source is :data:`RULE` when a rule of ours covers the node (its rule returns a
-    DimMap or strategies), :data:`REPLICATED_BY_RULE` for ops in ``REPLICATE_ONLY``,
-    :data:`REGISTRY` when DTensor's registry lists a split strategy for it, else
-    :data:`FALLBACK`. A rule that returns ``None`` (or no strategy) does not cover the
+    The source is :data:`RULE` when a rule of ours covers the node (the rule of the op's
+    record returns a DimMap or strategies), :data:`REPLICATED_BY_RULE` for ops in
+    ``REPLICATE_ONLY``, :data:`REGISTRY` when DTensor's registry lists a split strategy for
+    it, :data:`RULE` again when torch tags the op pointwise and the pointwise rule splits it,
+    else :data:`FALLBACK`. A rule that returns ``None`` (or no strategy) does not cover the
     node: it goes on to the registry like an op without a rule. Strategies with a
     ``Partial`` non-floating tensor are dropped; the replicated strategy is always in the list.
 
@@ -66,30 +69,40 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Stra
     ins = [n for _, n in tensor_inputs(node)]
     in_shapes = _shapes(ins)
     out_shapes = [s for s, _ in info.outputs]
-    strategies = None
-    source = REPLICATED_BY_RULE
-    fn = RULES.get(node.target)
-    if fn is not None:
-        try:
-            res = fn(node, in_shapes, out_shapes)
-        except Exception as e:
-            raise ShardingRuleError(
-                f"sharding rule for {node.target} failed on node {node.name} "
-                f"(module {info.module_path or '<root>'}): {type(e).__name__}: {e}") from e
-        strategies = enumerate_strategies(res, mesh_shape) if isinstance(res, DimMap) else res
-        source = RULE
-    repl = Strategy(tuple((R,) * nd for _ in ins), tuple((R,) * nd for _ in out_shapes))
-    if not strategies and node.target not in REPLICATE_ONLY:
-        strategies = registry_strategies(node, mesh_shape)
-        source = FALLBACK
     in_dt = [n.meta["val"].dtype for n in ins]
     out_dt = [dt for _, dt in info.outputs]
-    strategies = [s for s in (strategies or []) if _partial_ok(s, in_dt, out_dt)]
-    if source == FALLBACK and any(s != repl for s in strategies):
-        source = REGISTRY
+    repl = Strategy(tuple((R,) * nd for _ in ins), tuple((R,) * nd for _ in out_shapes))
+
+    def usable(strategies):
+        return [s for s in (strategies or []) if _partial_ok(s, in_dt, out_dt)]
+
+    source = REPLICATED_BY_RULE
+    record = record_of(node.target)
+    strategies = usable(_rule_strategies(record, node, in_shapes, out_shapes, mesh_shape))
+    if record is not None:
+        source = RULE
+    if not strategies and node.target not in REPLICATE_ONLY:
+        strategies = usable(registry_strategies(node, mesh_shape))
+        source = REGISTRY if any(s != repl for s in strategies) else FALLBACK
+    if source == FALLBACK and is_pointwise(node.target):
+        strategies = usable(_rule_strategies(POINTWISE_RECORD, node, in_shapes, out_shapes, mesh_shape))
+        source = RULE if any(s != repl for s in strategies) else FALLBACK
     if repl not in strategies:
         strategies.append(repl)
     return strategies, source
+
+
+def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape) -> list[Strategy] | None:
+    """The strategies ``record``'s rule gives ``node`` (``None`` without a record)."""
+    if record is None:
+        return None
+    try:
+        res = record.rule(node, in_shapes, out_shapes)
+    except Exception as e:
+        raise ShardingRuleError(
+            f"sharding rule for {node.target} failed on node {node.name} "
+            f"(module {node_info(node).module_path or '<root>'}): {type(e).__name__}: {e}") from e
+    return enumerate_strategies(res, mesh_shape) if isinstance(res, DimMap) else res
 
 
 class StrategyGenerator:

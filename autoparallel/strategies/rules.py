@@ -1,35 +1,28 @@
-"""Sharding rules, keyed by ATen op: each turns a node into a DimMap or explicit strategies.
+"""Sharding rules and per-device rewrites of pointwise, shape, reduction, matmul and NN ops,
+registered as op records (:mod:`~autoparallel.strategies.records`).
 
 A rule is called as ``rule(node, in_shapes, out_shapes)`` where the shapes are those of
-the node's data tensor inputs (:func:`tensor_inputs`) and tensor outputs, and returns a
-:class:`~autoparallel.strategies.engine.DimMap` (enumerated by the engine) or a list of
-:class:`~autoparallel.strategies.engine.Strategy` for the few ops the engine cannot
-describe, or ``None`` when it does not cover the node (the node then goes to DTensor's
-registry and else runs replicated, reported as a fallback: see
+the node's data tensor inputs (:func:`~autoparallel.graph.tensor_inputs`) and tensor
+outputs, and returns a :class:`~autoparallel.strategies.engine.DimMap` (enumerated by the
+engine) or a list of :class:`~autoparallel.strategies.engine.Strategy` for the few ops the
+engine cannot describe, or ``None`` when it does not cover the node (the node then goes to
+DTensor's registry and else runs replicated, reported as a fallback: see
 :mod:`~autoparallel.strategies.generator`). Rules read the op's other arguments by name
-(:func:`op_args`). Ops in :data:`autoparallel.graph.NO_DATA_INPUT` read only dtype/device from their tensor
-argument.
+(:func:`~autoparallel.graph.op_args`). Ops in :data:`autoparallel.graph.NO_DATA_INPUT` read
+only dtype/device from their tensor argument.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
 
 import torch
 
 from ..graph import op_args
 from .engine import DimMap
+from .records import RECORDS, LocalCall, OpRecord, record
 
 aten = torch.ops.aten
-RULES: dict[object, Callable] = {}
-
-
-def rule(*ops):
-    def deco(fn):
-        for op in ops:
-            RULES[op] = fn
-        return fn
-    return deco
 
 
 def _norm(d: int, ndim: int) -> int:
@@ -64,7 +57,7 @@ for _op in [
     aten.abs.default, aten.reciprocal.default, aten.sign.default, aten.floor.default, aten.ceil.default,
     aten.round.default, aten.log1p.default, aten.expm1.default, aten.softplus.default,
     aten.leaky_relu.default, aten.hardtanh.default, aten.elu.default, aten.mish.default,
-    aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default,
+    aten.hardswish.default, aten.hardswish_.default, aten.hardsigmoid.default, aten.relu6.default,
     aten.dropout.default, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar,
     aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
     aten.ge.Tensor, aten.ge.Scalar, aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor,
@@ -105,7 +98,11 @@ def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap | None:
 
 
 for _op, _lin in POINTWISE.items():
-    RULES[_op] = (lambda lin: lambda node, i, o: pointwise_dimmap(node, i, o, lin))(_lin)
+    RECORDS[_op] = OpRecord((lambda lin: lambda node, i, o: pointwise_dimmap(node, i, o, lin))(_lin))
+
+POINTWISE_RECORD = OpRecord(pointwise_dimmap)
+"""The record of an op torch tags pointwise that has none of its own (no Partial: its
+linearity is not known)."""
 
 
 # ---------------------------------------------------------------- shape ops
@@ -137,8 +134,24 @@ def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
     return tuple(lin), tuple(lout)
 
 
-@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints)
+def local_size(call: LocalCall):
+    """``view``/``reshape``/``expand`` on one device: the size argument holds local sizes
+    (``expand``'s ``-1``, "keep this dim", stays)."""
+    name = "shape" if call.node.target == aten.reshape.default else "size"
+    keep = call.node.target == aten.expand.default
+    size = [-1 if keep and s == -1 else n for s, n in zip(call.bound()[name], call.local_out_shape())]
+    return call.emit(None, *call.with_arg(name, size))
+
+
+def local_squeeze(call: LocalCall):
+    """A squeeze on one device is a reshape to the local shape: a split dim may be 1 locally
+    without being squeezable."""
+    return call.emit(aten.reshape.default, (call.args[0], list(call.local_out_shape())), {})
+
+
+@record(aten.unsqueeze.default, aten.flatten.using_ints)
+@record(aten.view.default, aten.reshape.default, aten._unsafe_view.default, local=local_size)
+@record(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, local=local_squeeze)
 def view_rule(node, in_shapes, out_shapes):
     """Views and reshapes (capture rewrites ``view_as``, ``reshape_as`` and ``unflatten``
     into ``view``/``reshape`` to the output's shape: :mod:`autoparallel.tracer.decompose`)."""
@@ -146,7 +159,7 @@ def view_rule(node, in_shapes, out_shapes):
     return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.expand.default)
+@record(aten.expand.default, local=local_size)
 def expand_rule(node, in_shapes, out_shapes):
     """``expand`` (capture rewrites ``expand_as`` into it): broadcast dims stay whole on the input side."""
     out = out_shapes[0]
@@ -157,12 +170,15 @@ def expand_rule(node, in_shapes, out_shapes):
     return DimMap([lin], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.transpose.int, aten.t.default, aten.permute.default, aten.movedim.int)
+@record(aten.transpose.int, aten.t.default, aten.permute.default, aten.movedim.int, aten.numpy_T.default)
 def permute_rule(node, in_shapes, out_shapes):
+    """Dim permutations; ``numpy_T`` (``x.T``) reverses the dims."""
     nd = len(in_shapes[0])
     labs = _labels(nd)
     a = op_args(node)
-    if node.target == aten.permute.default:
+    if node.target == aten.numpy_T.default:
+        perm = list(reversed(range(nd)))
+    elif node.target == aten.permute.default:
         perm = [_norm(d, nd) for d in a["dims"]]
     elif node.target == aten.movedim.int:
         src, dst = _norm(a["source"], nd), _norm(a["destination"], nd)
@@ -181,7 +197,7 @@ def _forbid(labs, dims):
     return tuple(None if d in dims else lab for d, lab in enumerate(labs))
 
 
-@rule(aten.slice.Tensor)
+@record(aten.slice.Tensor)
 def slice_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     dim = _norm(op_args(node)["dim"], nd)
@@ -191,7 +207,7 @@ def slice_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.select.int)
+@record(aten.select.int)
 def select_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     dim = _norm(op_args(node)["dim"], nd)
@@ -200,7 +216,7 @@ def select_rule(node, in_shapes, out_shapes):
                   partial=[frozenset([0])])
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+@record(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 def split_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     dim = _norm(op_args(node)["dim"], nd)
@@ -209,7 +225,7 @@ def split_rule(node, in_shapes, out_shapes):
     return DimMap([labs], outs, list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.cat.default, aten.stack.default)
+@record(aten.cat.default, aten.stack.default)
 def cat_rule(node, in_shapes, out_shapes):
     out = out_shapes[0]
     dim = _norm(op_args(node)["dim"], len(out))
@@ -221,7 +237,7 @@ def cat_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset(range(len(in_shapes)))])
 
 
-@rule(aten.repeat_interleave.self_int)
+@record(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(node, in_shapes, out_shapes):
     """``x.repeat_interleave(r, dim)`` (GPT-J's rotary sin/cos): every dim keeps its split,
     the repeated one too (a contiguous block of ``n/k`` elements repeats into the matching
@@ -244,7 +260,7 @@ def repeat_interleave_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
 
 
-@rule(aten.pad.default, aten.constant_pad_nd.default)
+@record(aten.pad.default, aten.constant_pad_nd.default)
 def pad_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     npad = len(op_args(node)["pad"]) // 2
@@ -252,7 +268,7 @@ def pad_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.cumsum.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+@record(aten.cumsum.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
       aten._log_softmax.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
       aten.sort.default, aten.argsort.default)
 def along_dim_rule(node, in_shapes, out_shapes):
@@ -269,7 +285,7 @@ def along_dim_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs] * len(out_shapes), list(in_shapes), list(out_shapes))
 
 
-@rule(aten.diff.default)
+@record(aten.diff.default)
 def diff_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     dim = _norm(op_args(node)["dim"], nd)
@@ -289,10 +305,18 @@ def _reduce_dims(node, nd) -> set[int]:
     return {_norm(d, nd) for d in dims}
 
 
-@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
+def local_mean(call: LocalCall):
+    """A mean over split dims on one device: the local mean divided by the number of
+    pieces, so that the pending sum of the devices' results is the global mean."""
+    pieces = math.prod(call.pieces(0, d) for d in _reduce_dims(call.node, len(call.in_shapes[0])))
+    out = call.emit()
+    return call.call(aten.div.Tensor, (out, pieces)) if pieces > 1 else out
+
+
+@record(aten.sum.dim_IntList, aten.sum.default)
+@record(aten.mean.dim, aten.mean.default, local=local_mean)
 def sum_rule(node, in_shapes, out_shapes):
-    """Sum or mean: a split reduced dim leaves partial results (codegen divides a mean's
-    local result by the number of pieces, so that the pending sum is the global mean)."""
+    """Sum or mean: a split reduced dim leaves partial results (:func:`local_mean`)."""
     nd = len(in_shapes[0])
     red = _reduce_dims(node, nd)
     labs = _labels(nd)
@@ -303,7 +327,7 @@ def sum_rule(node, in_shapes, out_shapes):
                   reduce=frozenset(labs[d] for d in red), partial=[frozenset([0])])
 
 
-@rule(aten.amax.default, aten.amin.default, aten.max.dim,
+@record(aten.amax.default, aten.amin.default, aten.max.dim,
       aten.min.dim, aten.argmax.default, aten.argmin.default, aten.var.correction, aten.std.correction,
       aten.var.dim, aten.std.dim,
       aten.any.dim, aten.all.dim, aten.prod.dim_int, aten.norm.ScalarOpt_dim, aten.logsumexp.default,
@@ -323,7 +347,7 @@ def reduce_whole_rule(node, in_shapes, out_shapes):
 
 
 # ---------------------------------------------------------------- matmuls
-@rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
+@record(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def matmul_rule(node, in_shapes, out_shapes):
     """``mm``, ``bmm``, ``matmul`` (broadcast batch dims; a 1-D operand is a vector whose
     ``m`` or ``n`` dim the output lacks): ``k`` contracted, batch dims, ``m`` and ``n`` parallel."""
@@ -343,7 +367,7 @@ def matmul_rule(node, in_shapes, out_shapes):
                   reduce=frozenset({"k"}))
 
 
-@rule(aten.addmm.default, aten.baddbmm.default)
+@record(aten.addmm.default, aten.baddbmm.default)
 def addmm_rule(node, in_shapes, out_shapes):
     bias, a, b = in_shapes
     out = out_shapes[0]
@@ -355,7 +379,7 @@ def addmm_rule(node, in_shapes, out_shapes):
                   reduce=frozenset({"k"}))
 
 
-@rule(aten.linear.default)
+@record(aten.linear.default)
 def linear_rule(node, in_shapes, out_shapes):
     batch = _labels(len(in_shapes[0]) - 1, "b")
     ins = [batch + ("k",), ("n", "k")]
@@ -365,7 +389,7 @@ def linear_rule(node, in_shapes, out_shapes):
 
 
 # ---------------------------------------------------------------- NN ops
-@rule(aten.layer_norm.default, aten.rms_norm.default)
+@record(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     k = len(op_args(node)["normalized_shape"])
@@ -374,14 +398,45 @@ def norm_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [labs], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.embedding.default)
+def local_group_norm(call: LocalCall):
+    """``group_norm`` with its channels split: the local number of groups."""
+    pieces = call.pieces(0, 1)
+    if pieces == 1:
+        return call.emit()
+    return call.emit(None, *call.with_arg("num_groups", call.bound()["num_groups"] // pieces))
+
+
+@record(aten.group_norm.default, local=local_group_norm)
+def group_norm_rule(node, in_shapes, out_shapes):
+    """Input ``(N, C, *)`` normalized per sample over each group of ``C / num_groups``
+    channels and the spatial dims: the batch may be split, and the channels by whole groups
+    (with ``weight`` and ``bias``, ``(C,)``); the spatial dims stay whole."""
+    x = in_shapes[0]
+    lx = ("n", "c") + (None,) * (len(x) - 2)
+    return DimMap([lx] + [("c",)] * (len(in_shapes) - 1), [lx], list(in_shapes), list(out_shapes),
+                  blocks={"c": op_args(node)["num_groups"]})
+
+
+@record(aten._weight_norm.default)
+def weight_norm_rule(node, in_shapes, out_shapes):
+    """``_weight_norm(v, g, dim)`` = ``g · v / ‖v‖``, the norm over every dim but ``dim``
+    (``g`` has ``v``'s size there and 1 elsewhere): only ``dim`` may be split; with
+    ``dim=-1`` (the norm of the whole tensor) nothing."""
+    v, g = in_shapes
+    dim = op_args(node)["dim"]
+    lv = tuple("d" if d == dim else None for d in range(len(v)))
+    lg = tuple("d" if d == dim and g[d] == v[d] else None for d in range(len(g)))
+    return DimMap([lv, lg], [lv], list(in_shapes), list(out_shapes))
+
+
+@record(aten.embedding.default)
 def embedding_rule(node, in_shapes, out_shapes):
     w, idx = in_shapes
     li = _labels(len(idx), "i")
     return DimMap([(None, "e"), li], [li + ("e",)], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.scaled_dot_product_attention.default)
+@record(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node, in_shapes, out_shapes):
     q, k, v = in_shapes[:3]
     is_causal = op_args(node)["is_causal"]
@@ -397,7 +452,16 @@ def sdpa_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+def local_conv(call: LocalCall):
+    """A depthwise convolution with its channels split: as many local groups as local channels."""
+    groups, pieces = call.bound()["groups"], call.pieces(0, 1)
+    if groups > 1 and pieces > 1:
+        return call.emit(None, *call.with_arg("groups", groups // pieces))
+    return call.emit()
+
+
+@record(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+        local=local_conv)
 def conv_rule(node, in_shapes, out_shapes):
     """Batch split; for ``groups == 1`` also output channels (column-parallel) and input
     channels (a contraction: partial sums, the bias added once); for depthwise
@@ -417,7 +481,7 @@ def conv_rule(node, in_shapes, out_shapes):
     return DimMap(ins, [lo], list(in_shapes), list(out_shapes), reduce=red)
 
 
-@rule(aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, aten.avg_pool1d.default,
+@record(aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, aten.avg_pool1d.default,
       aten.avg_pool2d.default, aten.avg_pool3d.default, aten.adaptive_avg_pool1d.default,
       aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default, aten.adaptive_max_pool1d.default,
       aten.adaptive_max_pool2d.default, aten.max_pool2d_with_indices.default, aten._adaptive_avg_pool2d.default)
@@ -430,7 +494,7 @@ def pool_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs] * len(out_shapes), list(in_shapes), list(out_shapes))
 
 
-@rule(aten.gather.default)
+@record(aten.gather.default)
 def gather_rule(node, in_shapes, out_shapes):
     x, idx = in_shapes
     dim = _norm(op_args(node)["dim"], len(x))
@@ -439,7 +503,7 @@ def gather_rule(node, in_shapes, out_shapes):
     return DimMap([lx, li], [li], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.index_select.default)
+@record(aten.index_select.default)
 def index_select_rule(node, in_shapes, out_shapes):
     nd = len(in_shapes[0])
     dim = _norm(op_args(node)["dim"], nd)
@@ -447,29 +511,62 @@ def index_select_rule(node, in_shapes, out_shapes):
     return DimMap([labs, (None,)], [labs], list(in_shapes), list(out_shapes))
 
 
-@rule(aten.cross_entropy_loss.default)
-def cross_entropy_rule(node, in_shapes, out_shapes):
-    """Input ``(N, C, d1, ...)``, target ``(N, d1, ...)``: the batch and spatial dims may be
-    split, the classes stay whole (a ``weight`` is replicated).
+def _fixed_length_bags(node) -> bool:
+    """The bags of an ``embedding_bag`` node are ``B`` runs of ``L`` consecutive indices:
+    its offsets are ``arange(0, B·L, L)`` (what ``nn.EmbeddingBag`` builds from a 2-D input)."""
+    a = op_args(node)
+    offsets, n = a["offsets"], a["indices"].meta["val"].shape[0]
+    if a["include_last_offset"] or offsets.target != aten.arange.start_step:
+        return False
+    o = op_args(offsets)
+    return o["start"] == 0 and o["end"] == n and o["step"] * offsets.meta["val"].shape[0] == n
 
-    ``reduction='none'``: the loss of every element is its own, so the output is split like
-    the target. ``'sum'`` and ``'mean'``: the output is ``Partial``; codegen computes the
-    local sum (with the op's ``weight``, ``ignore_index`` and ``label_smoothing``) and, for
-    'mean', divides it by the global denominator torch divides by: the count of kept
-    (not ignored) targets, or with ``weight`` the sum of their classes' weights (smoothing
-    terms included, as in torch's ``cross_entropy`` with label smoothing). An unbatched input
-    ``(C,)`` has nothing to split: replicated."""
-    x, t = in_shapes[0], in_shapes[1]
-    if len(x) < 2:
-        return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * len(s) for s in out_shapes],
-                      list(in_shapes), list(out_shapes))
-    lx = ("n", None) + tuple(f"s{i}" for i in range(len(x) - 2))
-    lt = ("n",) + tuple(f"s{i}" for i in range(len(t) - 1))
-    lw = [(None,) * len(s) for s in in_shapes[2:]]  # the weight, when given
-    if op_args(node)["reduction"] == 0:
-        return DimMap([lx, lt] + lw, [lt], list(in_shapes), list(out_shapes))
-    return DimMap([lx, lt] + lw, [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx) - {None},
-                  whole=frozenset(range(2, len(in_shapes))))
+
+def local_embedding_bag(call: LocalCall):
+    """A batch-split ``embedding_bag``: each device's offsets count from its first index."""
+    offsets = call.bound()["offsets"]
+    if call.pieces(2, 0) == 1:
+        return call.emit()
+    local = call.call(aten.sub.Tensor, (offsets, call.call(aten.select.int, (offsets, 0, 0))))
+    return call.emit(None, *call.with_arg("offsets", local))
+
+
+@record(aten.embedding_bag.default, aten.embedding_bag.padding_idx, local=local_embedding_bag)
+def embedding_bag_rule(node, in_shapes, out_shapes):
+    """``embedding_bag(weight, indices, offsets, ..., per_sample_weights)`` with bags of one
+    length (:func:`_fixed_length_bags`): the bags may be split (indices, offsets, per-sample
+    weights and the ``(B, E)`` output alike, :func:`local_embedding_bag`). ``None`` (not
+    covered) for bags of varying length, or when the op's other outputs (offset2bag,
+    bag sizes, max indices: local values on a split) are read."""
+    if not _fixed_length_bags(node) or any(u.args[1] != 0 and u.users for u in node.users):
+        return None
+    ins = [(None, None)] + [("b",)] * (len(in_shapes) - 1)
+    outs = [("b",) + (None,) * (len(s) - 1) for s in out_shapes]
+    return DimMap(ins, outs, list(in_shapes), list(out_shapes))
+
+
+@record(aten.fill_.Tensor)
+def fill_rule(node, in_shapes, out_shapes):
+    """``x.fill_(value)`` with a 0-d ``value``: ``x`` split any way, ``value`` replicated."""
+    labs = _labels(len(in_shapes[0]))
+    return DimMap([labs, ()], [labs], list(in_shapes), list(out_shapes))
+
+
+@record(aten.index_put_.default)
+def index_put_rule(node, in_shapes, out_shapes):
+    """``x[indices] = values`` in place: the dims of ``x`` after the indexed ones may be
+    split, with the matching trailing dims of ``values`` (which broadcast against them);
+    the indexed dims and the index tensors stay whole (a boolean index covers as many dims
+    as it has)."""
+    x = in_shapes[0]
+    covered = sum(1 if i is None or i.meta["val"].dtype != torch.bool else i.meta["val"].ndim
+                  for i in op_args(node)["indices"])
+    labs = (None,) * covered + _labels(len(x))[covered:]
+    v = in_shapes[-1]
+    lv = tuple(labs[len(x) - len(v) + j] if len(v) - j <= len(x) - covered and v[j] == x[len(x) - len(v) + j]
+               else None for j in range(len(v)))
+    return DimMap([labs] + [(None,) * len(s) for s in in_shapes[1:-1]] + [lv], [labs], list(in_shapes),
+                  list(out_shapes))
 
 
 # creation ops and index: replicated by rule (the consumer slices locally for free)
