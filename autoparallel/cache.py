@@ -1,8 +1,8 @@
 """On-disk plan cache: a solved Plan stored as JSON, keyed by what determines it.
 
 The key hashes the captured graph (its code, every node's output shapes and dtypes, and the
-parameter names), the mesh (shape, alpha, beta), the cost model (class and device preset),
-the planning options, and the versions of autoparallel and torch. The second
+parameter names), the mesh (shape, alpha, beta), the cost model (class, device preset, and
+a measured profile's key and numbers), the planning options, and the versions of autoparallel and torch. The second
 ``autoparallelize``/``plan`` of the same model on the same mesh loads the plan instead of
 solving.
 
@@ -14,7 +14,7 @@ used.
 Location: the ``cache_dir=`` argument, else the ``AUTOPARALLEL_CACHE_DIR`` environment
 variable, else ``~/.cache/autoparallel``; ``cache_dir=False`` turns caching off. Measured mesh
 and device profiles (:mod:`autoparallel.profile`) live in its ``profiles/`` subfolder. A cost
-model is identified by :meth:`CostModel.key` (class and device preset): a subclass with
+model is identified by :meth:`CostModel.key` (class, device preset, profile): a subclass with
 parameters of its own should add them there; clear the cache (delete the folder) after
 changing a cost model's code.
 """
