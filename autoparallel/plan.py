@@ -147,7 +147,8 @@ class Plan:
             included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device, with
             recomputation when there is some) and ``memory`` (the peak without recomputation,
             its step and breakdown, see :mod:`autoparallel.solver.memory`; with recomputation
-            also ``checkpointed_peak_bytes``).
+            also ``checkpointed_peak_bytes``); ``costs``: what priced the plan
+            (:meth:`~autoparallel.solver.costs.CostModel.describe`: a preset or a measured profile).
         solver_stats: ILP size, times (s), status.
         checkpoint: activation checkpointing (empty when none): ``stages`` (node name →
             chain stage), ``regions`` (nested ``{"start", "stop", "children"}`` stage ranges
@@ -189,7 +190,8 @@ class Plan:
         foot = (f"mesh {self.mesh.shape}: estimated step {est.get('step_time_s', 0):.4g} s "
                 f"(compute {est.get('compute_s', 0):.4g} s, communication {est.get('comm_s', 0):.4g} s), "
                 f"peak memory {est.get('peak_memory_bytes', 0) / 2**20:.1f} MiB per device; "
-                f"{len(self.collectives)} forward collectives")
+                f"{len(self.collectives)} forward collectives"
+                + (f"; priced by {est['costs']}" if est.get("costs") else ""))
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
             regions = [[r["stages"], r["modules"], r["nodes"], f"{r['saved_bytes'] / 2**20:.1f}",

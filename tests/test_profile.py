@@ -179,7 +179,7 @@ def test_plan_with_a_saved_profile_records_its_costs(tmp_path):
     cm = CostModel.from_profile(tmp_path / "p.json")
     planned = autoparallel.plan(model, inputs, cost_model=cm, cache_dir=tmp_path / "cache")
     assert planned.mesh == p.mesh_spec()  # no mesh given: the profiled one
-    assert planned.estimate["costs"] == cm.describe()
+    assert planned.estimate["costs"] == cm.describe() and f"priced by {cm.describe()}" in str(planned)
     assert autoparallel.Plan.from_json(planned.to_json()).estimate["costs"] == cm.describe()
     cached = autoparallel.plan(model, inputs, cost_model=CostModel.from_profile(p), cache_dir=tmp_path / "cache")
     assert cached.solver_stats["cache"] == "hit"
