@@ -78,6 +78,14 @@ def placements_str(spec: Spec, axis_names) -> str:
     return " ".join(out)
 
 
+def _spec_tag(spec: Spec, axis_names) -> str:
+    """:func:`placements_str` as part of a name: ``replicated``, or e.g. ``s0dp_s2tp``."""
+    if all(p == R for p in spec):
+        return "replicated"
+    tags = ("".join(ch for ch in t.lower() if ch.isalnum() or ch == "_") for t in placements_str(spec, axis_names).split())
+    return "_".join(tags)
+
+
 def _after(spec: Spec, m: Move) -> Spec:
     """The spec after move ``m``."""
     new = {"all_gather": R, "all_reduce": R, "mask": P}.get(m.kind)
@@ -296,6 +304,7 @@ class _PerDeviceGraph:
             else:
                 self.done[key] = self.em.redistribute(self.env[x], c.shape, src, c.moves)
                 self.comment(since, what)
+            self.names.setdefault(self.done[key], f"{x.name}_{_spec_tag(target, names)}")
         return self.done[key]
 
     def replicated_view(self, x: fx.Node, target: Spec) -> fx.Node | None:
@@ -332,12 +341,12 @@ class _PerDeviceGraph:
         record = record_of(node.target)
         since = _tail(self.graph)
         self.env[node] = record.local(call) if record is not None and record.local is not None else call.emit()
-        if _rewritten(since, self.env[node], node.target, leaves):
+        split = any(p != R for spec in (*np_.input_specs, *np_.output_specs) for p in spec)
+        if split and _rewritten(since, self.env[node], node.target, leaves):
             names = self.plan.mesh.axis_names
             ins = ", ".join(placements_str(s, names) for s in np_.input_specs)
             outs = ", ".join(placements_str(s, names) for s in np_.output_specs)
-            self.comment(since, f"{np_.module_path + ': ' if np_.module_path else ''}{node.name} rewritten for "
-                                f"local shards: {ins} -> {outs}")
+            self.comment(since, f"{np_.module_path + ': ' if np_.module_path else ''}{ins} -> {outs}")
 
     def output(self, node: fx.Node) -> None:
         """The returned values: whole (replicated) tensors, their gradient seeded once."""

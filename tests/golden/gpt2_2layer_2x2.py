@@ -1,0 +1,442 @@
+
+
+
+def forward(self, mesh_coord, input_ids, labels):
+    transformer_wpe_weight_dtensor = self.transformer.wpe.weight
+    transformer_wpe_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_wpe_weight_dtensor);  transformer_wpe_weight_dtensor = None
+    transformer_h_0_ln_1_weight_dtensor = getattr(self.transformer.h, "0").ln_1.weight
+    transformer_h_0_ln_1_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_ln_1_weight_dtensor);  transformer_h_0_ln_1_weight_dtensor = None
+    transformer_h_0_ln_1_bias_dtensor = getattr(self.transformer.h, "0").ln_1.bias
+    transformer_h_0_ln_1_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_ln_1_bias_dtensor);  transformer_h_0_ln_1_bias_dtensor = None
+    transformer_h_0_attn_c_attn_weight_dtensor = getattr(self.transformer.h, "0").attn.c_attn.weight
+    transformer_h_0_attn_c_attn_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_attn_c_attn_weight_dtensor);  transformer_h_0_attn_c_attn_weight_dtensor = None
+    transformer_h_0_attn_c_attn_bias_dtensor = getattr(self.transformer.h, "0").attn.c_attn.bias
+    transformer_h_0_attn_c_attn_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_attn_c_attn_bias_dtensor);  transformer_h_0_attn_c_attn_bias_dtensor = None
+    transformer_h_0_attn_c_proj_weight_dtensor = getattr(self.transformer.h, "0").attn.c_proj.weight
+    transformer_h_0_attn_c_proj_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_attn_c_proj_weight_dtensor);  transformer_h_0_attn_c_proj_weight_dtensor = None
+    transformer_h_0_attn_c_proj_bias_dtensor = getattr(self.transformer.h, "0").attn.c_proj.bias
+    transformer_h_0_attn_c_proj_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_attn_c_proj_bias_dtensor);  transformer_h_0_attn_c_proj_bias_dtensor = None
+    transformer_h_0_ln_2_weight_dtensor = getattr(self.transformer.h, "0").ln_2.weight
+    transformer_h_0_ln_2_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_ln_2_weight_dtensor);  transformer_h_0_ln_2_weight_dtensor = None
+    transformer_h_0_ln_2_bias_dtensor = getattr(self.transformer.h, "0").ln_2.bias
+    transformer_h_0_ln_2_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_ln_2_bias_dtensor);  transformer_h_0_ln_2_bias_dtensor = None
+    transformer_h_0_mlp_c_fc_weight_dtensor = getattr(self.transformer.h, "0").mlp.c_fc.weight
+    transformer_h_0_mlp_c_fc_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_mlp_c_fc_weight_dtensor);  transformer_h_0_mlp_c_fc_weight_dtensor = None
+    transformer_h_0_mlp_c_fc_bias_dtensor = getattr(self.transformer.h, "0").mlp.c_fc.bias
+    transformer_h_0_mlp_c_fc_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_mlp_c_fc_bias_dtensor);  transformer_h_0_mlp_c_fc_bias_dtensor = None
+    transformer_h_0_mlp_c_proj_weight_dtensor = getattr(self.transformer.h, "0").mlp.c_proj.weight
+    transformer_h_0_mlp_c_proj_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_mlp_c_proj_weight_dtensor);  transformer_h_0_mlp_c_proj_weight_dtensor = None
+    transformer_h_0_mlp_c_proj_bias_dtensor = getattr(self.transformer.h, "0").mlp.c_proj.bias
+    transformer_h_0_mlp_c_proj_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_0_mlp_c_proj_bias_dtensor);  transformer_h_0_mlp_c_proj_bias_dtensor = None
+    transformer_h_1_ln_1_weight_dtensor = getattr(self.transformer.h, "1").ln_1.weight
+    transformer_h_1_ln_1_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_ln_1_weight_dtensor);  transformer_h_1_ln_1_weight_dtensor = None
+    transformer_h_1_ln_1_bias_dtensor = getattr(self.transformer.h, "1").ln_1.bias
+    transformer_h_1_ln_1_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_ln_1_bias_dtensor);  transformer_h_1_ln_1_bias_dtensor = None
+    transformer_h_1_attn_c_attn_weight_dtensor = getattr(self.transformer.h, "1").attn.c_attn.weight
+    transformer_h_1_attn_c_attn_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_attn_c_attn_weight_dtensor);  transformer_h_1_attn_c_attn_weight_dtensor = None
+    transformer_h_1_attn_c_attn_bias_dtensor = getattr(self.transformer.h, "1").attn.c_attn.bias
+    transformer_h_1_attn_c_attn_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_attn_c_attn_bias_dtensor);  transformer_h_1_attn_c_attn_bias_dtensor = None
+    transformer_h_1_attn_c_proj_weight_dtensor = getattr(self.transformer.h, "1").attn.c_proj.weight
+    transformer_h_1_attn_c_proj_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_attn_c_proj_weight_dtensor);  transformer_h_1_attn_c_proj_weight_dtensor = None
+    transformer_h_1_attn_c_proj_bias_dtensor = getattr(self.transformer.h, "1").attn.c_proj.bias
+    transformer_h_1_attn_c_proj_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_attn_c_proj_bias_dtensor);  transformer_h_1_attn_c_proj_bias_dtensor = None
+    transformer_h_1_ln_2_weight_dtensor = getattr(self.transformer.h, "1").ln_2.weight
+    transformer_h_1_ln_2_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_ln_2_weight_dtensor);  transformer_h_1_ln_2_weight_dtensor = None
+    transformer_h_1_ln_2_bias_dtensor = getattr(self.transformer.h, "1").ln_2.bias
+    transformer_h_1_ln_2_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_ln_2_bias_dtensor);  transformer_h_1_ln_2_bias_dtensor = None
+    transformer_h_1_mlp_c_fc_weight_dtensor = getattr(self.transformer.h, "1").mlp.c_fc.weight
+    transformer_h_1_mlp_c_fc_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_mlp_c_fc_weight_dtensor);  transformer_h_1_mlp_c_fc_weight_dtensor = None
+    transformer_h_1_mlp_c_fc_bias_dtensor = getattr(self.transformer.h, "1").mlp.c_fc.bias
+    transformer_h_1_mlp_c_fc_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_mlp_c_fc_bias_dtensor);  transformer_h_1_mlp_c_fc_bias_dtensor = None
+    transformer_h_1_mlp_c_proj_weight_dtensor = getattr(self.transformer.h, "1").mlp.c_proj.weight
+    transformer_h_1_mlp_c_proj_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_mlp_c_proj_weight_dtensor);  transformer_h_1_mlp_c_proj_weight_dtensor = None
+    transformer_h_1_mlp_c_proj_bias_dtensor = getattr(self.transformer.h, "1").mlp.c_proj.bias
+    transformer_h_1_mlp_c_proj_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_h_1_mlp_c_proj_bias_dtensor);  transformer_h_1_mlp_c_proj_bias_dtensor = None
+    transformer_ln_f_weight_dtensor = self.transformer.ln_f.weight
+    transformer_ln_f_weight = autoparallel_runtime_kernels_autograd_param_local(transformer_ln_f_weight_dtensor);  transformer_ln_f_weight_dtensor = None
+    transformer_ln_f_bias_dtensor = self.transformer.ln_f.bias
+    transformer_ln_f_bias = autoparallel_runtime_kernels_autograd_param_local(transformer_ln_f_bias_dtensor);  transformer_ln_f_bias_dtensor = None
+    transformer_wte_weight_1_dtensor = self.transformer.wte.weight
+    transformer_wte_weight_1 = autoparallel_runtime_kernels_autograd_param_local(transformer_wte_weight_1_dtensor);  transformer_wte_weight_1_dtensor = None
+    view = torch.ops.aten.view.default(input_ids, [8, 16]);  input_ids = None
+    embedding = torch.ops.aten.embedding.default(transformer_wte_weight_1, view);  view = None
+    arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
+    unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
+    embedding_1 = torch.ops.aten.embedding.default(transformer_wpe_weight, unsqueeze);  transformer_wpe_weight = None
+    to = torch.ops.aten.to.dtype_layout(embedding_1, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  embedding_1 = None
+    add_1 = torch.ops.aten.add.Tensor(embedding, to);  embedding = to = None
+    expand = torch.ops.aten.expand.default(unsqueeze, [8, -1])
+    slice_1 = torch.ops.aten.slice.Tensor(expand, 1, 0, 1)
+    sub = torch.ops.aten.sub.Tensor(slice_1, 1);  slice_1 = None
+    diff = torch.ops.aten.diff.default(expand, 1, -1, sub);  expand = sub = None
+    ne = torch.ops.aten.ne.Scalar(diff, 1);  diff = None
+    cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
+    expand_1 = torch.ops.aten.expand.default(unsqueeze, [8, -1]);  unsqueeze = None
+    arange_1 = torch.ops.aten.arange.default(8, device = device(type='cpu'), pin_memory = False)
+    arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    add_2 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
+    arange_4 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    add_3 = torch.ops.aten.add.Tensor(arange_4, 0);  arange_4 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
+    unsqueeze_3 = torch.ops.aten.unsqueeze.default(unsqueeze_2, 3);  unsqueeze_2 = None
+    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
+    unsqueeze_8 = torch.ops.aten.unsqueeze.default(unsqueeze_7, 1);  unsqueeze_7 = None
+    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 3);  unsqueeze_8 = None
+    unsqueeze_10 = torch.ops.aten.unsqueeze.default(add_3, 0);  add_3 = None
+    unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None
+    unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None
+    new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)
+    index = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])
+    index_1 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = None
+    # transformer: redistribute index R R -> S0(dp) S0(tp)
+    unflatten = torch.ops.aten.unflatten.int(index, 0, [2, 4]);  index = None
+    coord_dp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 0, 1)
+    index_select = torch.ops.aten.index_select.default(unflatten, 0, coord_dp);  unflatten = None
+    squeeze = torch.ops.aten.squeeze.dim(index_select, 0);  index_select = None
+    unflatten_1 = torch.ops.aten.unflatten.int(squeeze, 0, [2, 2]);  squeeze = None
+    coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2);  mesh_coord = None
+    index_select_1 = torch.ops.aten.index_select.default(unflatten_1, 0, coord_tp);  unflatten_1 = None
+    index_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_1, 0);  index_select_1 = None
+    # transformer: redistribute index_1 R R -> S0(dp) S0(tp)
+    unflatten_2 = torch.ops.aten.unflatten.int(index_1, 0, [2, 4]);  index_1 = None
+    index_select_2 = torch.ops.aten.index_select.default(unflatten_2, 0, coord_dp);  unflatten_2 = None
+    squeeze_1 = torch.ops.aten.squeeze.dim(index_select_2, 0);  index_select_2 = None
+    unflatten_3 = torch.ops.aten.unflatten.int(squeeze_1, 0, [2, 2]);  squeeze_1 = None
+    index_select_3 = torch.ops.aten.index_select.default(unflatten_3, 0, coord_tp);  unflatten_3 = None
+    index_1_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_3, 0);  index_select_3 = None
+    eq = torch.ops.aten.eq.Tensor(index_s0dp_s0tp, index_1_s0dp_s0tp);  index_s0dp_s0tp = index_1_s0dp_s0tp = None
+    to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
+    and_1 = torch.ops.aten.__and__.Tensor(new_ones, to_1);  new_ones = to_1 = None
+    index_2 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
+    index_3 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = unsqueeze_3 = unsqueeze_12 = None
+    # transformer: redistribute index_3 R R -> S0(dp) S0(tp)
+    unflatten_4 = torch.ops.aten.unflatten.int(index_3, 0, [2, 4]);  index_3 = None
+    index_select_4 = torch.ops.aten.index_select.default(unflatten_4, 0, coord_dp);  unflatten_4 = None
+    squeeze_2 = torch.ops.aten.squeeze.dim(index_select_4, 0);  index_select_4 = None
+    unflatten_5 = torch.ops.aten.unflatten.int(squeeze_2, 0, [2, 2]);  squeeze_2 = None
+    index_select_5 = torch.ops.aten.index_select.default(unflatten_5, 0, coord_tp);  unflatten_5 = None
+    index_3_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_5, 0);  index_select_5 = None
+    # transformer: redistribute index_2 R R -> S0(dp) S0(tp)
+    unflatten_6 = torch.ops.aten.unflatten.int(index_2, 0, [2, 4]);  index_2 = None
+    index_select_6 = torch.ops.aten.index_select.default(unflatten_6, 0, coord_dp);  unflatten_6 = coord_dp = None
+    squeeze_3 = torch.ops.aten.squeeze.dim(index_select_6, 0);  index_select_6 = None
+    unflatten_7 = torch.ops.aten.unflatten.int(squeeze_3, 0, [2, 2]);  squeeze_3 = None
+    index_select_7 = torch.ops.aten.index_select.default(unflatten_7, 0, coord_tp);  unflatten_7 = None
+    index_2_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_7, 0);  index_select_7 = None
+    le = torch.ops.aten.le.Tensor(index_3_s0dp_s0tp, index_2_s0dp_s0tp);  index_3_s0dp_s0tp = index_2_s0dp_s0tp = None
+    to_2 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
+    and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
+    # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    expand_2 = torch.ops.aten.expand.default(and_2, [2, -1, 16, 16]);  and_2 = None
+    dropout = torch.ops.aten.dropout.default(add_1, 0.0, True);  add_1 = None
+    # transformer.h.0.ln_1: redistribute dropout S2(dp) S2(tp) -> R R
+    contiguous_1 = torch.ops.aten.contiguous.default(dropout)
+    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_1, 2, Group.tp);  contiguous_1 = None
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
+    all_gather_into_tensor_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor, 2, Group.dp);  wait_tensor = None
+    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
+    unflatten_8 = torch.ops.aten.unflatten.int(wait_tensor_1, 0, [4, 8]);  wait_tensor_1 = None
+    movedim = torch.ops.aten.movedim.int(unflatten_8, 0, 2);  unflatten_8 = None
+    dropout_replicated = torch.ops.aten.flatten.using_ints(movedim, 2, 3);  movedim = None
+    # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_weight S0(dp) S0(tp) -> R R
+    contiguous_2 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_weight);  transformer_h_0_ln_1_weight = None
+    all_gather_into_tensor_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_2, 2, Group.tp);  contiguous_2 = None
+    wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
+    all_gather_into_tensor_3 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_2, 2, Group.dp);  wait_tensor_2 = None
+    transformer_h_0_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_3);  all_gather_into_tensor_3 = None
+    # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_bias S0(dp) S0(tp) -> R R
+    contiguous_3 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_bias);  transformer_h_0_ln_1_bias = None
+    all_gather_into_tensor_4 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_3, 2, Group.tp);  contiguous_3 = None
+    wait_tensor_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_4);  all_gather_into_tensor_4 = None
+    all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_3, 2, Group.dp);  wait_tensor_3 = None
+    transformer_h_0_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5);  all_gather_into_tensor_5 = None
+    layer_norm = torch.ops.aten.layer_norm.default(dropout_replicated, [64], transformer_h_0_ln_1_weight_replicated, transformer_h_0_ln_1_bias_replicated, 1e-05, False);  dropout_replicated = transformer_h_0_ln_1_weight_replicated = transformer_h_0_ln_1_bias_replicated = None
+    view_1 = torch.ops.aten.view.default(layer_norm, [128, 64]);  layer_norm = None
+    addmm = torch.ops.aten.addmm.default(transformer_h_0_attn_c_attn_bias, view_1, transformer_h_0_attn_c_attn_weight);  transformer_h_0_attn_c_attn_bias = view_1 = transformer_h_0_attn_c_attn_weight = None
+    # transformer.h.0.attn.c_attn: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_2 = torch.ops.aten.view.default(addmm, [8, 16, 48]);  addmm = None
+    # transformer.h.0.attn: redistribute view_2 S2(dp) S2(tp) -> S0(dp) S0(tp)
+    contiguous_4 = torch.ops.aten.contiguous.default(view_2);  view_2 = None
+    all_gather_into_tensor_6 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_4, 2, Group.tp);  contiguous_4 = None
+    wait_tensor_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_6);  all_gather_into_tensor_6 = None
+    unflatten_9 = torch.ops.aten.unflatten.int(wait_tensor_4, 0, [2, 8]);  wait_tensor_4 = None
+    movedim_1 = torch.ops.aten.movedim.int(unflatten_9, 0, 2);  unflatten_9 = None
+    flatten = torch.ops.aten.flatten.using_ints(movedim_1, 2, 3);  movedim_1 = None
+    contiguous_5 = torch.ops.aten.contiguous.default(flatten);  flatten = None
+    all_to_all_single = torch.ops._c10d_functional.all_to_all_single.default(contiguous_5, [4, 4], [4, 4], Group.dp);  contiguous_5 = None
+    wait_tensor_5 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
+    unflatten_10 = torch.ops.aten.unflatten.int(wait_tensor_5, 0, [2, 4]);  wait_tensor_5 = None
+    movedim_2 = torch.ops.aten.movedim.int(unflatten_10, 0, 2);  unflatten_10 = None
+    flatten_1 = torch.ops.aten.flatten.using_ints(movedim_2, 2, 3);  movedim_2 = None
+    unflatten_11 = torch.ops.aten.unflatten.int(flatten_1, 0, [2, 2]);  flatten_1 = None
+    index_select_8 = torch.ops.aten.index_select.default(unflatten_11, 0, coord_tp);  unflatten_11 = None
+    view_2_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_8, 0);  index_select_8 = None
+    split = torch.ops.aten.split.Tensor(view_2_s0dp_s0tp, 64, 2);  view_2_s0dp_s0tp = None
+    getitem = split[0]
+    getitem_1 = split[1]
+    getitem_2 = split[2];  split = None
+    # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_3 = torch.ops.aten.view.default(getitem_1, [2, 16, 4, 16]);  getitem_1 = None
+    transpose = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
+    # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_4 = torch.ops.aten.view.default(getitem_2, [2, 16, 4, 16]);  getitem_2 = None
+    transpose_1 = torch.ops.aten.transpose.int(view_4, 1, 2);  view_4 = None
+    # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_5 = torch.ops.aten.view.default(getitem, [2, 16, 4, 16]);  getitem = None
+    transpose_2 = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
+    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose_2, transpose, transpose_1, expand_2, scale = 0.25);  transpose_2 = transpose = transpose_1 = None
+    # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    reshape = torch.ops.aten.reshape.default(scaled_dot_product_attention, [2, 4, 16, 16]);  scaled_dot_product_attention = None
+    transpose_3 = torch.ops.aten.transpose.int(reshape, 1, 2);  reshape = None
+    # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    reshape_1 = torch.ops.aten.reshape.default(transpose_3, [2, 16, 64]);  transpose_3 = None
+    # transformer.h.0.attn.c_proj: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_6 = torch.ops.aten.view.default(reshape_1, [32, 64]);  reshape_1 = None
+    # transformer.h.0.attn.c_proj: redistribute view_6 S0(dp) S0(tp) -> R R
+    contiguous_6 = torch.ops.aten.contiguous.default(view_6);  view_6 = None
+    all_gather_into_tensor_7 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_6, 2, Group.tp);  contiguous_6 = None
+    wait_tensor_6 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_7);  all_gather_into_tensor_7 = None
+    all_gather_into_tensor_8 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_6, 2, Group.dp);  wait_tensor_6 = None
+    view_6_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_8);  all_gather_into_tensor_8 = None
+    addmm_1 = torch.ops.aten.addmm.default(transformer_h_0_attn_c_proj_bias, view_6_replicated, transformer_h_0_attn_c_proj_weight);  transformer_h_0_attn_c_proj_bias = view_6_replicated = transformer_h_0_attn_c_proj_weight = None
+    # transformer.h.0.attn.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_7 = torch.ops.aten.view.default(addmm_1, [8, 16, 16]);  addmm_1 = None
+    dropout_1 = torch.ops.aten.dropout.default(view_7, 0.0, True);  view_7 = None
+    add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout);  dropout_1 = dropout = None
+    # transformer.h.0.ln_2: redistribute add_4 S2(dp) S2(tp) -> R R
+    contiguous_7 = torch.ops.aten.contiguous.default(add_4)
+    all_gather_into_tensor_9 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_7, 2, Group.tp);  contiguous_7 = None
+    wait_tensor_7 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_9);  all_gather_into_tensor_9 = None
+    all_gather_into_tensor_10 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_7, 2, Group.dp);  wait_tensor_7 = None
+    wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_10);  all_gather_into_tensor_10 = None
+    unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_8, 0, [4, 8]);  wait_tensor_8 = None
+    movedim_3 = torch.ops.aten.movedim.int(unflatten_12, 0, 2);  unflatten_12 = None
+    add_4_replicated = torch.ops.aten.flatten.using_ints(movedim_3, 2, 3);  movedim_3 = None
+    # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_weight S0(dp) S0(tp) -> R R
+    contiguous_8 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_weight);  transformer_h_0_ln_2_weight = None
+    all_gather_into_tensor_11 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_8, 2, Group.tp);  contiguous_8 = None
+    wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_11);  all_gather_into_tensor_11 = None
+    all_gather_into_tensor_12 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_9, 2, Group.dp);  wait_tensor_9 = None
+    transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_12);  all_gather_into_tensor_12 = None
+    # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_bias S0(dp) S0(tp) -> R R
+    contiguous_9 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_bias);  transformer_h_0_ln_2_bias = None
+    all_gather_into_tensor_13 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_9, 2, Group.tp);  contiguous_9 = None
+    wait_tensor_10 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_13);  all_gather_into_tensor_13 = None
+    all_gather_into_tensor_14 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_10, 2, Group.dp);  wait_tensor_10 = None
+    transformer_h_0_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_14);  all_gather_into_tensor_14 = None
+    layer_norm_1 = torch.ops.aten.layer_norm.default(add_4_replicated, [64], transformer_h_0_ln_2_weight_replicated, transformer_h_0_ln_2_bias_replicated, 1e-05, False);  add_4_replicated = transformer_h_0_ln_2_weight_replicated = transformer_h_0_ln_2_bias_replicated = None
+    view_8 = torch.ops.aten.view.default(layer_norm_1, [128, 64]);  layer_norm_1 = None
+    addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, view_8, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = view_8 = transformer_h_0_mlp_c_fc_weight = None
+    # transformer.h.0.mlp.c_fc: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_9 = torch.ops.aten.view.default(addmm_2, [8, 16, 64]);  addmm_2 = None
+    mul = torch.ops.aten.mul.Tensor(view_9, 0.5)
+    pow_1 = torch.ops.aten.pow.Tensor_Scalar(view_9, 3.0)
+    mul_1 = torch.ops.aten.mul.Tensor(pow_1, 0.044715);  pow_1 = None
+    add_5 = torch.ops.aten.add.Tensor(view_9, mul_1);  view_9 = mul_1 = None
+    mul_2 = torch.ops.aten.mul.Tensor(add_5, 0.7978845608028654);  add_5 = None
+    tanh = torch.ops.aten.tanh.default(mul_2);  mul_2 = None
+    add_6 = torch.ops.aten.add.Tensor(tanh, 1.0);  tanh = None
+    mul_3 = torch.ops.aten.mul.Tensor(mul, add_6);  mul = add_6 = None
+    # transformer.h.0.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
+    view_10 = torch.ops.aten.view.default(mul_3, [128, 64]);  mul_3 = None
+    # transformer.h.0.mlp.c_proj: redistribute view_10 S1(dp) S1(tp) -> R R
+    contiguous_10 = torch.ops.aten.contiguous.default(view_10);  view_10 = None
+    all_gather_into_tensor_15 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_10, 2, Group.tp);  contiguous_10 = None
+    wait_tensor_11 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_15);  all_gather_into_tensor_15 = None
+    all_gather_into_tensor_16 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_11, 2, Group.dp);  wait_tensor_11 = None
+    wait_tensor_12 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_16);  all_gather_into_tensor_16 = None
+    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_12, 0, [4, 128]);  wait_tensor_12 = None
+    movedim_4 = torch.ops.aten.movedim.int(unflatten_13, 0, 1);  unflatten_13 = None
+    view_10_replicated = torch.ops.aten.flatten.using_ints(movedim_4, 1, 2);  movedim_4 = None
+    addmm_3 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_proj_bias, view_10_replicated, transformer_h_0_mlp_c_proj_weight);  transformer_h_0_mlp_c_proj_bias = view_10_replicated = transformer_h_0_mlp_c_proj_weight = None
+    # transformer.h.0.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_11 = torch.ops.aten.view.default(addmm_3, [8, 16, 16]);  addmm_3 = None
+    dropout_2 = torch.ops.aten.dropout.default(view_11, 0.0, True);  view_11 = None
+    add_7 = torch.ops.aten.add.Tensor(add_4, dropout_2);  add_4 = dropout_2 = None
+    # transformer.h.1.ln_1: redistribute add_7 S2(dp) S2(tp) -> R R
+    contiguous_11 = torch.ops.aten.contiguous.default(add_7)
+    all_gather_into_tensor_17 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_11, 2, Group.tp);  contiguous_11 = None
+    wait_tensor_13 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_17);  all_gather_into_tensor_17 = None
+    all_gather_into_tensor_18 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_13, 2, Group.dp);  wait_tensor_13 = None
+    wait_tensor_14 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_18);  all_gather_into_tensor_18 = None
+    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [4, 8]);  wait_tensor_14 = None
+    movedim_5 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
+    add_7_replicated = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
+    # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_weight S0(dp) S0(tp) -> R R
+    contiguous_12 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
+    all_gather_into_tensor_19 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_12, 2, Group.tp);  contiguous_12 = None
+    wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_19);  all_gather_into_tensor_19 = None
+    all_gather_into_tensor_20 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_15, 2, Group.dp);  wait_tensor_15 = None
+    transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
+    # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_bias S0(dp) S0(tp) -> R R
+    contiguous_13 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
+    all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_13, 2, Group.tp);  contiguous_13 = None
+    wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
+    all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_16, 2, Group.dp);  wait_tensor_16 = None
+    transformer_h_1_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
+    layer_norm_2 = torch.ops.aten.layer_norm.default(add_7_replicated, [64], transformer_h_1_ln_1_weight_replicated, transformer_h_1_ln_1_bias_replicated, 1e-05, False);  add_7_replicated = transformer_h_1_ln_1_weight_replicated = transformer_h_1_ln_1_bias_replicated = None
+    view_12 = torch.ops.aten.view.default(layer_norm_2, [128, 64]);  layer_norm_2 = None
+    addmm_4 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_attn_bias, view_12, transformer_h_1_attn_c_attn_weight);  transformer_h_1_attn_c_attn_bias = view_12 = transformer_h_1_attn_c_attn_weight = None
+    # transformer.h.1.attn.c_attn: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_13 = torch.ops.aten.view.default(addmm_4, [8, 16, 48]);  addmm_4 = None
+    # transformer.h.1.attn: redistribute view_13 S2(dp) S2(tp) -> S0(dp) S0(tp)
+    contiguous_14 = torch.ops.aten.contiguous.default(view_13);  view_13 = None
+    all_gather_into_tensor_23 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.tp);  contiguous_14 = None
+    wait_tensor_17 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_23);  all_gather_into_tensor_23 = None
+    unflatten_15 = torch.ops.aten.unflatten.int(wait_tensor_17, 0, [2, 8]);  wait_tensor_17 = None
+    movedim_6 = torch.ops.aten.movedim.int(unflatten_15, 0, 2);  unflatten_15 = None
+    flatten_2 = torch.ops.aten.flatten.using_ints(movedim_6, 2, 3);  movedim_6 = None
+    contiguous_15 = torch.ops.aten.contiguous.default(flatten_2);  flatten_2 = None
+    all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_15, [4, 4], [4, 4], Group.dp);  contiguous_15 = None
+    wait_tensor_18 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
+    unflatten_16 = torch.ops.aten.unflatten.int(wait_tensor_18, 0, [2, 4]);  wait_tensor_18 = None
+    movedim_7 = torch.ops.aten.movedim.int(unflatten_16, 0, 2);  unflatten_16 = None
+    flatten_3 = torch.ops.aten.flatten.using_ints(movedim_7, 2, 3);  movedim_7 = None
+    unflatten_17 = torch.ops.aten.unflatten.int(flatten_3, 0, [2, 2]);  flatten_3 = None
+    index_select_9 = torch.ops.aten.index_select.default(unflatten_17, 0, coord_tp);  unflatten_17 = None
+    view_13_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_9, 0);  index_select_9 = None
+    split_1 = torch.ops.aten.split.Tensor(view_13_s0dp_s0tp, 64, 2);  view_13_s0dp_s0tp = None
+    getitem_3 = split_1[0]
+    getitem_4 = split_1[1]
+    getitem_5 = split_1[2];  split_1 = None
+    # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_14 = torch.ops.aten.view.default(getitem_4, [2, 16, 4, 16]);  getitem_4 = None
+    transpose_4 = torch.ops.aten.transpose.int(view_14, 1, 2);  view_14 = None
+    # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_15 = torch.ops.aten.view.default(getitem_5, [2, 16, 4, 16]);  getitem_5 = None
+    transpose_5 = torch.ops.aten.transpose.int(view_15, 1, 2);  view_15 = None
+    # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_16 = torch.ops.aten.view.default(getitem_3, [2, 16, 4, 16]);  getitem_3 = None
+    transpose_6 = torch.ops.aten.transpose.int(view_16, 1, 2);  view_16 = None
+    scaled_dot_product_attention_1 = torch.ops.aten.scaled_dot_product_attention.default(transpose_6, transpose_4, transpose_5, expand_2, scale = 0.25);  transpose_6 = transpose_4 = transpose_5 = expand_2 = None
+    # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    reshape_2 = torch.ops.aten.reshape.default(scaled_dot_product_attention_1, [2, 4, 16, 16]);  scaled_dot_product_attention_1 = None
+    transpose_7 = torch.ops.aten.transpose.int(reshape_2, 1, 2);  reshape_2 = None
+    # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    reshape_3 = torch.ops.aten.reshape.default(transpose_7, [2, 16, 64]);  transpose_7 = None
+    # transformer.h.1.attn.c_proj: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_17 = torch.ops.aten.view.default(reshape_3, [32, 64]);  reshape_3 = None
+    # transformer.h.1.attn.c_proj: redistribute view_17 S0(dp) S0(tp) -> R R
+    contiguous_16 = torch.ops.aten.contiguous.default(view_17);  view_17 = None
+    all_gather_into_tensor_24 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_16, 2, Group.tp);  contiguous_16 = None
+    wait_tensor_19 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_24);  all_gather_into_tensor_24 = None
+    all_gather_into_tensor_25 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_19, 2, Group.dp);  wait_tensor_19 = None
+    view_17_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_25);  all_gather_into_tensor_25 = None
+    addmm_5 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_proj_bias, view_17_replicated, transformer_h_1_attn_c_proj_weight);  transformer_h_1_attn_c_proj_bias = view_17_replicated = transformer_h_1_attn_c_proj_weight = None
+    # transformer.h.1.attn.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_18 = torch.ops.aten.view.default(addmm_5, [8, 16, 16]);  addmm_5 = None
+    dropout_3 = torch.ops.aten.dropout.default(view_18, 0.0, True);  view_18 = None
+    add_8 = torch.ops.aten.add.Tensor(dropout_3, add_7);  dropout_3 = add_7 = None
+    # transformer.h.1.ln_2: redistribute add_8 S2(dp) S2(tp) -> R R
+    contiguous_17 = torch.ops.aten.contiguous.default(add_8)
+    all_gather_into_tensor_26 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_17, 2, Group.tp);  contiguous_17 = None
+    wait_tensor_20 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_26);  all_gather_into_tensor_26 = None
+    all_gather_into_tensor_27 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_20, 2, Group.dp);  wait_tensor_20 = None
+    wait_tensor_21 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_27);  all_gather_into_tensor_27 = None
+    unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_21, 0, [4, 8]);  wait_tensor_21 = None
+    movedim_8 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
+    add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
+    # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_weight S0(dp) S0(tp) -> R R
+    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_weight);  transformer_h_1_ln_2_weight = None
+    all_gather_into_tensor_28 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
+    wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_28);  all_gather_into_tensor_28 = None
+    all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
+    transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
+    # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_bias S0(dp) S0(tp) -> R R
+    contiguous_19 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_bias);  transformer_h_1_ln_2_bias = None
+    all_gather_into_tensor_30 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
+    wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_30);  all_gather_into_tensor_30 = None
+    all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_23, 2, Group.dp);  wait_tensor_23 = None
+    transformer_h_1_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_31);  all_gather_into_tensor_31 = None
+    layer_norm_3 = torch.ops.aten.layer_norm.default(add_8_replicated, [64], transformer_h_1_ln_2_weight_replicated, transformer_h_1_ln_2_bias_replicated, 1e-05, False);  add_8_replicated = transformer_h_1_ln_2_weight_replicated = transformer_h_1_ln_2_bias_replicated = None
+    view_19 = torch.ops.aten.view.default(layer_norm_3, [128, 64]);  layer_norm_3 = None
+    addmm_6 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_fc_bias, view_19, transformer_h_1_mlp_c_fc_weight);  transformer_h_1_mlp_c_fc_bias = view_19 = transformer_h_1_mlp_c_fc_weight = None
+    # transformer.h.1.mlp.c_fc: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_20 = torch.ops.aten.view.default(addmm_6, [8, 16, 64]);  addmm_6 = None
+    mul_4 = torch.ops.aten.mul.Tensor(view_20, 0.5)
+    pow_2 = torch.ops.aten.pow.Tensor_Scalar(view_20, 3.0)
+    mul_5 = torch.ops.aten.mul.Tensor(pow_2, 0.044715);  pow_2 = None
+    add_9 = torch.ops.aten.add.Tensor(view_20, mul_5);  view_20 = mul_5 = None
+    mul_6 = torch.ops.aten.mul.Tensor(add_9, 0.7978845608028654);  add_9 = None
+    tanh_1 = torch.ops.aten.tanh.default(mul_6);  mul_6 = None
+    add_10 = torch.ops.aten.add.Tensor(tanh_1, 1.0);  tanh_1 = None
+    mul_7 = torch.ops.aten.mul.Tensor(mul_4, add_10);  mul_4 = add_10 = None
+    # transformer.h.1.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
+    view_21 = torch.ops.aten.view.default(mul_7, [128, 64]);  mul_7 = None
+    # transformer.h.1.mlp.c_proj: redistribute view_21 S1(dp) S1(tp) -> R R
+    contiguous_20 = torch.ops.aten.contiguous.default(view_21);  view_21 = None
+    all_gather_into_tensor_32 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_20, 2, Group.tp);  contiguous_20 = None
+    wait_tensor_24 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_32);  all_gather_into_tensor_32 = None
+    all_gather_into_tensor_33 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_24, 2, Group.dp);  wait_tensor_24 = None
+    wait_tensor_25 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_33);  all_gather_into_tensor_33 = None
+    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_25, 0, [4, 128]);  wait_tensor_25 = None
+    movedim_9 = torch.ops.aten.movedim.int(unflatten_19, 0, 1);  unflatten_19 = None
+    view_21_replicated = torch.ops.aten.flatten.using_ints(movedim_9, 1, 2);  movedim_9 = None
+    addmm_7 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_proj_bias, view_21_replicated, transformer_h_1_mlp_c_proj_weight);  transformer_h_1_mlp_c_proj_bias = view_21_replicated = transformer_h_1_mlp_c_proj_weight = None
+    # transformer.h.1.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
+    view_22 = torch.ops.aten.view.default(addmm_7, [8, 16, 16]);  addmm_7 = None
+    dropout_4 = torch.ops.aten.dropout.default(view_22, 0.0, True);  view_22 = None
+    add_11 = torch.ops.aten.add.Tensor(add_8, dropout_4);  add_8 = dropout_4 = None
+    # transformer.ln_f: redistribute add_11 S2(dp) S2(tp) -> S0(dp) S0(tp)
+    contiguous_21 = torch.ops.aten.contiguous.default(add_11);  add_11 = None
+    all_gather_into_tensor_34 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_21, 2, Group.tp);  contiguous_21 = None
+    wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_34);  all_gather_into_tensor_34 = None
+    unflatten_20 = torch.ops.aten.unflatten.int(wait_tensor_26, 0, [2, 8]);  wait_tensor_26 = None
+    movedim_10 = torch.ops.aten.movedim.int(unflatten_20, 0, 2);  unflatten_20 = None
+    flatten_4 = torch.ops.aten.flatten.using_ints(movedim_10, 2, 3);  movedim_10 = None
+    contiguous_22 = torch.ops.aten.contiguous.default(flatten_4);  flatten_4 = None
+    all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_22, [4, 4], [4, 4], Group.dp);  contiguous_22 = None
+    wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
+    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_27, 0, [2, 4]);  wait_tensor_27 = None
+    movedim_11 = torch.ops.aten.movedim.int(unflatten_21, 0, 2);  unflatten_21 = None
+    flatten_5 = torch.ops.aten.flatten.using_ints(movedim_11, 2, 3);  movedim_11 = None
+    unflatten_22 = torch.ops.aten.unflatten.int(flatten_5, 0, [2, 2]);  flatten_5 = None
+    index_select_10 = torch.ops.aten.index_select.default(unflatten_22, 0, coord_tp);  unflatten_22 = coord_tp = None
+    add_11_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
+    # transformer.ln_f: redistribute transformer_ln_f_weight S0(dp) S0(tp) -> R R
+    contiguous_23 = torch.ops.aten.contiguous.default(transformer_ln_f_weight);  transformer_ln_f_weight = None
+    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.tp);  contiguous_23 = None
+    wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
+    all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_28, 2, Group.dp);  wait_tensor_28 = None
+    transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
+    # transformer.ln_f: redistribute transformer_ln_f_bias S0(dp) S0(tp) -> R R
+    contiguous_24 = torch.ops.aten.contiguous.default(transformer_ln_f_bias);  transformer_ln_f_bias = None
+    all_gather_into_tensor_37 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_24, 2, Group.tp);  contiguous_24 = None
+    wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
+    all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_29, 2, Group.dp);  wait_tensor_29 = None
+    transformer_ln_f_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
+    layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s0dp_s0tp, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s0dp_s0tp = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
+    # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_23 = torch.ops.aten.view.default(layer_norm_4, [2, 16, 64]);  layer_norm_4 = None
+    alias = torch.ops.aten.alias.default(view_23);  view_23 = None
+    # lm_head: redistribute transformer_wte_weight_1 S1(dp) S1(tp) -> R R
+    contiguous_25 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
+    all_gather_into_tensor_39 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_25, 2, Group.tp);  contiguous_25 = None
+    wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
+    all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.dp);  wait_tensor_30 = None
+    wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_40);  all_gather_into_tensor_40 = None
+    unflatten_23 = torch.ops.aten.unflatten.int(wait_tensor_31, 0, [4, 128]);  wait_tensor_31 = None
+    movedim_12 = torch.ops.aten.movedim.int(unflatten_23, 0, 1);  unflatten_23 = None
+    transformer_wte_weight_1_replicated = torch.ops.aten.flatten.using_ints(movedim_12, 1, 2);  movedim_12 = None
+    linear = torch.ops.aten.linear.default(alias, transformer_wte_weight_1_replicated);  alias = transformer_wte_weight_1_replicated = None
+    to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
+    pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
+    slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
+    contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
+    view_25 = torch.ops.aten.view.default(contiguous, [128]);  contiguous = None
+    to_4 = torch.ops.aten.to.dtype_layout(view_25, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_25 = None
+    # output: redistribute to_3 S0(dp) S0(tp) -> R R
+    contiguous_26 = torch.ops.aten.contiguous.default(to_3);  to_3 = None
+    all_gather_into_tensor_41 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_26, 2, Group.tp);  contiguous_26 = None
+    wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_41);  all_gather_into_tensor_41 = None
+    all_gather_into_tensor_42 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_32, 2, Group.dp);  wait_tensor_32 = None
+    to_3_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_42);  all_gather_into_tensor_42 = None
+    # redistribute view_24 S0(dp) S0(tp) -> R R, a view of to_3 redistributed
+    view_24_replicated = torch.ops.aten.reshape.default(to_3_replicated, [128, 128])
+    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24_replicated, to_4);  view_24_replicated = to_4 = None
+    returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
+    returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3_replicated, 4);  to_3_replicated = None
+    return (returned, returned_1)
+    
