@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import cache
 from .solver.costs import COLLECTIVES, CollectiveTable, CommProfile, DevicePreset, profile_key
@@ -63,12 +64,13 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calib
         the :class:`~autoparallel.solver.costs.CommProfile`, identical on every rank.
 
     Raises:
+        TypeError: ``device_mesh`` is not a DeviceMesh.
         RuntimeError: no initialized process group.
-        ValueError: a simulated process group (the ``fake`` backend has no network to
+        ValueError: a mesh that does not span the world, a simulated process group (the ``fake`` backend has no network to
             measure), a budget that is not positive, ``min_bytes``/``max_bytes`` not with
             ``4 <= min_bytes`` and ``2 * min_bytes <= max_bytes``, ``repeats`` below 1.
     """
-    _check_arguments(time_budget, calibration_budget, min_bytes, max_bytes, repeats)
+    _check_arguments(device_mesh, time_budget, calibration_budget, min_bytes, max_bytes, repeats)
     identity = mesh_identity(device_mesh)
     folder = cache.cache_path(cache_dir)
     path = cache.profile_path(folder, f"mesh-{profile_key(identity)}")
@@ -95,9 +97,15 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calib
     return profile
 
 
-def _check_arguments(time_budget, calibration_budget, min_bytes, max_bytes, repeats) -> None:
+def _check_arguments(device_mesh, time_budget, calibration_budget, min_bytes, max_bytes, repeats) -> None:
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"profile_mesh: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, not "
+                        f"{type(device_mesh).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("profile_mesh needs an initialized process group (torchrun / init_process_group)")
+    if device_mesh.size() != dist.get_world_size():
+        raise ValueError(f"profile_mesh: the mesh has {device_mesh.size()} devices but the world {dist.get_world_size()} "
+                         "ranks; profile a mesh over every rank")
     if dist.get_backend() == "fake":
         raise ValueError("profile_mesh: the fake process group simulates ranks in one process and has no network "
                          "to measure; plan simulated meshes with a preset (CostModel('a100')) or a saved profile "
@@ -133,12 +141,10 @@ def _device_name(device_type: str) -> str:
         return torch.get_device_module(device_type).get_device_name()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: platform below
-    return platform.processor() or platform.machine() or "cpu"
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:  # not Linux
+        names = []
+    return names[0] if names else (platform.processor() or platform.machine() or "cpu")
 
 
 def _local_device(device_type: str) -> torch.device:

@@ -198,6 +198,8 @@ def test_simulated_ranks_keep_the_preset(sim_mesh, monkeypatch):
     mesh = sim_mesh((2,))
     with pytest.raises(ValueError, match="no network"):
         autoparallel.profile_mesh(mesh)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        autoparallel.profile_mesh((2,))
     torch.manual_seed(0)
     model = MLP(hidden=32, layers=2)
     batch = {"x": torch.randn(8, 32), "y": torch.randn(8, 32)}
