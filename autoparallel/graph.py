@@ -1,10 +1,12 @@
 """Helpers over fx graph nodes shared by every stage: a node's tensor inputs, its arguments
 bound by name through the op's schema, what an op writes into and which input its output
-aliases (read from the schema's alias annotations), and the tensors a graph returns."""
+aliases (read from the schema's alias annotations), the repeated layer a node belongs to,
+and the tensors a graph returns."""
 
 from __future__ import annotations
 
 import operator
+import re
 import weakref
 from typing import Any
 
@@ -166,3 +168,45 @@ def alias_base(node: fx.Node) -> fx.Node:
             return node
         node = src
     return node
+
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def layer_of(node: fx.Node, within: str | None = None) -> tuple[str, int] | None:
+    """The repeated layer ``node`` belongs to: ``(module path of its list, index in it)``.
+
+    A layer is an element of an ``nn.ModuleList`` (or any container whose children are
+    named by index). An op belongs to the layer whose module is on its call stack
+    (``meta["nn_module_stack"]``), a parameter or buffer (``get_attr``) to the layer its
+    name is under. Without ``within`` it is the outermost indexed element
+    (``h.3.attn.c_attn`` → ``("h", 3)``); with ``within``, an element of the list at that
+    path (``("encoder.blocks.1.layers", 2)`` for a list nested in another). ``None`` for a
+    node outside every layer.
+    """
+    if node.op == "get_attr":
+        paths = [str(node.target)]
+    else:
+        paths = [str(path) for path, *_ in (node.meta.get("nn_module_stack") or {}).values()]
+    for path in paths:
+        if within is None:
+            m = _INDEXED.match(path)
+            if m:
+                return m.group(1), int(m.group(2))
+        elif path.startswith(within + "."):
+            head = path[len(within) + 1:].split(".", 1)[0]
+            if head.isdigit():
+                return within, int(head)
+    return None
+
+
+def layers_of(nodes, within: str | None = None) -> dict[str, dict[int, list[fx.Node]]]:
+    """The ``nodes`` of every repeated layer (:func:`layer_of`), in the order given:
+    module path of the list → layer index → its nodes. Lists and layers appear in the
+    order of their first node."""
+    out: dict[str, dict[int, list[fx.Node]]] = {}
+    for n in nodes:
+        key = layer_of(n, within)
+        if key is not None:
+            out.setdefault(key[0], {}).setdefault(key[1], []).append(n)
+    return out

@@ -16,7 +16,7 @@ def counted_tanh(x):
     return torch.tanh(x)
 
 
-class Stack(torch.nn.Module):
+class LinearLayers(torch.nn.Module):
     def __init__(self, n=6, width=16):
         super().__init__()
         self.w = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(width, width) / 4) for _ in range(n)])
@@ -29,10 +29,10 @@ class Stack(torch.nn.Module):
 
 def _traced(seed=0):
     torch.manual_seed(seed)
-    model = Stack()
+    model = LinearLayers()
     gm = fx.symbolic_trace(model)
     ops = [n for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method"]
-    stage_of = {n: i // 3 for i, n in enumerate(ops[:18])}  # matmul, tanh, add per block
+    stage_of = {n: i // 3 for i, n in enumerate(ops[:18])}  # matmul, tanh, add per layer
     return model, gm, stage_of
 
 

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 import autoparallel
 from autoparallel.tracer import ColoTracer
-from autoparallel.tracer.stamp import MIN_LAYERS, _val_sig, find_stack
+from autoparallel.tracer.stamp import MIN_LAYERS, _val_sig, find_layer_list
 from models import batch_for, hf_model, to_meta
 from test_parity import COST_MODELS, run_parity
 
@@ -62,13 +62,13 @@ def test_layer_index_in_forward_falls_back():
     cfg = T.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=128, n_positions=32, use_cache=False,
                        scale_attn_by_inverse_layer_idx=True, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
     model = T.GPT2LMHeadModel(cfg)
-    assert find_stack(model) is None
+    assert find_layer_list(model) is None
     stamped, full = both(model, "gpt2")
     assert stamped.stamped_layers == 0
     assert canonical(stamped) == canonical(full)
 
 
-class Stack(nn.Module):
+class LinearLayers(nn.Module):
     def __init__(self, n=8, acts=None):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(n))
@@ -81,32 +81,32 @@ class Stack(nn.Module):
 
 
 def test_guards_before_tracing():
-    assert find_stack(Stack()) is not None
-    assert find_stack(Stack(n=MIN_LAYERS - 1)) is None  # too shallow to gain anything
-    tied = Stack()
+    assert find_layer_list(LinearLayers()) is not None
+    assert find_layer_list(LinearLayers(n=MIN_LAYERS - 1)) is None  # too shallow to gain anything
+    tied = LinearLayers()
     tied.layers[3].weight = tied.layers[2].weight
-    assert find_stack(tied) is None
-    odd = Stack()
+    assert find_layer_list(tied) is None
+    odd = LinearLayers()
     odd.layers[4] = nn.Linear(16, 16, bias=False)
-    assert find_stack(odd) is None
-    flagged = Stack()
+    assert find_layer_list(odd) is None
+    flagged = LinearLayers()
     flagged.layers[5].some_mode = "other"
     flagged.layers[0].some_mode = flagged.layers[1].some_mode = flagged.layers[2].some_mode = "one"
     for i in (3, 4, 6, 7):
         flagged.layers[i].some_mode = "one"
-    assert find_stack(flagged) is None
+    assert find_layer_list(flagged) is None
     # per-layer config lists: Qwen2 with sliding-window and full-attention layers
     cfg = T.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=128, use_cache=False, use_sliding_window=True,
                         sliding_window=8, max_window_layers=3)
     assert len(set(cfg.layer_types)) == 2
-    assert find_stack(T.Qwen2ForCausalLM(cfg)) is None
+    assert find_layer_list(T.Qwen2ForCausalLM(cfg)) is None
 
 
 def test_forward_that_differs_per_layer_falls_back():
-    """A stack whose forward treats some layers differently (by position, not by module
+    """A layer list whose forward treats some layers differently (by position, not by module
     attributes) is caught after tracing: layers 1, 2 and L-1 disagree."""
-    model = Stack(acts=["relu", "relu", "relu", "relu", "relu", "relu", "relu", "tanh"])
+    model = LinearLayers(acts=["relu", "relu", "relu", "relu", "relu", "relu", "relu", "tanh"])
     x = torch.randn(4, 16)
     stamped = ColoTracer().trace(model, (x,))
     full = ColoTracer(stamp=False).trace(model, (x,))

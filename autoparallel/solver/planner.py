@@ -13,10 +13,10 @@ from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape
 from ..errors import InfeasiblePlanError
 from ..plan import Conversion, NodePlan, Plan
-from ..graph import aliased_input, is_view, output_leaves, tensor_inputs, written_inputs
+from ..graph import aliased_input, is_view, layer_of, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
-from .blocks import block_key, find_repeated_blocks
+from .shared_layers import layer_templates
 from .costs import CostModel
 from .ilp import ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
@@ -48,8 +48,8 @@ class Planner:
         mesh: the MeshSpec.
         cost_model: a :class:`CostModel` (bound to ``mesh`` here).
         param_names: graph target → all names of that parameter/buffer.
-        share_blocks: give identical instances of a repeated block one set of ILP
-            variables (:mod:`autoparallel.solver.blocks`).
+        share_blocks: give identical repeated layers one set of ILP variables
+            (:mod:`autoparallel.solver.shared_layers`).
         memory: the step's :class:`~autoparallel.solver.memory.MemoryModel` (peak memory
             estimate and budget rows); ``None`` to leave memory out.
     """
@@ -66,9 +66,9 @@ class Planner:
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
-        self._block = {n: block_key(n) for n in self.nodes}
+        self._layer = {n: layer_of(n) for n in self.nodes}
         self._pinned = aliased_edges(self.nodes)
-        self.template = find_repeated_blocks(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
+        self.template = layer_templates(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
         self.memory = memory
 
     # ------------------------------------------------------------ pricing
@@ -145,8 +145,8 @@ class Planner:
             if len(varying) != 1:
                 continue
             j, (u, idx), rg = varying[0]
-            if self._block[node] != self._block.get(u):
-                continue  # followers stay inside one block instance, so that instances match
+            if self._layer[node] != self._layer.get(u):
+                continue  # followers stay inside one layer, so that layers match
             r = root[u]
             sv = self.strategies[node]
             by_input: dict = {}
@@ -164,14 +164,14 @@ class Planner:
         return root, fmap
 
     def _shared(self, root, fmap) -> dict[fx.Node, fx.Node]:
-        """The block template of every node, dropping instances whose grouping differs."""
+        """The layer template of every node, dropping layers whose grouping differs."""
         tmpl = dict(self.template)
         bad = set()
         for n, t in tmpl.items():
             if t is not n and (tmpl.get(root[n]) is not root[t] or fmap[n] != fmap[t]):
-                bad.add(self._block[n])
+                bad.add(self._layer[n])
         for n in tmpl:
-            if self._block[n] in bad:
+            if self._layer[n] in bad:
                 tmpl[n] = n
         return tmpl
 

@@ -1,7 +1,7 @@
 """Stage 2 of the memory search: which activations to recompute, on the sharded graph.
 
 The plan chosen by the sharding ILP (stage 1) is linearized into a chain of stages: the
-nodes before the first layer of the model's longest ``ModuleList``, each layer, and the
+nodes before the first of the model's repeated layers, the parts of each layer, and the
 nodes after the last one. Each stage gets, under the plan's shardings and with its
 collectives: forward and backward seconds (cost model), the bytes of its input (values
 crossing into it from earlier stages), the bytes it saves for backward (memory model),
@@ -18,50 +18,47 @@ from __future__ import annotations
 import numpy as np
 import torch.fx as fx
 
+from ..graph import layers_of
 from ..plan import Plan
 from ..strategies import Strategy
 from ..tracer.annotate import node_info
-from .blocks import block_key
 from .memory import MemoryModel
 from .rotor import Chain, Region, Schedule, checkpoint_every_stage
 
 
 def chain_stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """Stage of every op node, numbered in graph order: stage 0 before the first layer of
-    the model's longest ``ModuleList``; then, within each layer, one stage per run of ops
-    in the same direct child module (e.g. ``ln_1``, ``attn``, ``ln_2``, ``mlp``; ops of the
-    layer itself, such as residual adds, join the run before them), so that recomputation
-    can be chosen per sub-block (one level deeper, e.g. ``mlp.act``, measured worse on
-    GPT-2: 24.4 % vs 22.3 % recompute at a 50 % budget, more rounding over 60 stages); a last stage after the last layer. Empty when the model
-    has no repeated layers or they do not run in order."""
-    keys = {n: block_key(n) for n in nodes if n.op == "call_function"}
-    containers: dict[str, set[int]] = {}
-    for k in keys.values():
-        if k is not None:
-            containers.setdefault(k[0], set()).add(k[1])
-    if not containers:
-        return {}
-    name, indices = max(containers.items(), key=lambda kv: len(kv[1]))
-    if len(indices) < 2:
-        return {}
+    the longest list of repeated layers (:func:`~autoparallel.graph.layers_of`); then,
+    within each layer, one stage per run of ops in the same direct child module (e.g.
+    ``ln_1``, ``attn``, ``ln_2``, ``mlp``; ops of the layer itself, such as residual adds,
+    join the run before them), so that recomputation can be chosen per sub-layer (one level
+    deeper, e.g. ``mlp.act``, measured worse on GPT-2: 24.4 % vs 22.3 % recompute at a 50 %
+    budget, more rounding over 60 stages); a last stage after the last layer. Empty when
+    the model has fewer than two repeated layers or they do not run in order."""
     ops = [n for n in nodes if n.op == "call_function"]
-    last = max(i for i, n in enumerate(ops) if keys[n] is not None and keys[n][0] == name)
+    lists = layers_of(ops)
+    if not lists:
+        return {}
+    name, layers = max(lists.items(), key=lambda kv: len(kv[1]))
+    if len(layers) < 2:
+        return {}
+    index = {n: i for i, members in layers.items() for n in members}
+    last = max(i for i, n in enumerate(ops) if n in index)
     stages: dict[fx.Node, int] = {}
     current, layer, child = 0, None, None
     for i, n in enumerate(ops):
-        k = keys[n]
         if i > last:
             if child != "<after>":
                 current, child = current + 1, "<after>"
-        elif k is not None and k[0] == name:
-            if layer is not None and k[1] < layer:
+        elif n in index:
+            if layer is not None and index[n] < layer:
                 return {}  # layers interleave: no chain
-            prefix = f"{name}.{k[1]}."
+            prefix = f"{name}.{index[n]}."
             path = node_info(n).module_path
             sub = path[len(prefix):].split(".")[0] if path.startswith(prefix) else None
-            if k[1] != layer or (sub is not None and sub != child):
+            if index[n] != layer or (sub is not None and sub != child):
                 current += 1
-                layer, child = k[1], sub
+                layer, child = index[n], sub
         stages[n] = current
     return stages
 

@@ -1,34 +1,25 @@
-"""Repeated blocks: the layers of a ``ModuleList`` that compute the same thing.
+"""Repeated layers share their ILP variables: the layers of a ``ModuleList`` that compute
+the same thing.
 
 Transformer layers are identical up to their parameters: same ops, shapes and wiring. The
-planner gives all instances of such a block one set of ILP variables (their costs add
-up), so the ILP grows with the block, not with the depth. PyTorch's autoparallel reports
-the same idea for Llama-3-8B (ILP solve 118.7 s → 5.5 s). Instances alternate between two
-templates, so that plans of period two stay reachable: a stack of single linear layers is
-optimally column-, row-, column-parallel... (Megatron), which one shared choice per layer
-would forbid. The plan is still made per node.
+planner gives all such layers one set of ILP variables (their costs add up), so the ILP
+grows with the layer, not with the depth. PyTorch's autoparallel reports the same idea for
+Llama-3-8B (ILP solve 118.7 s → 5.5 s). Layers alternate between two templates, so that
+plans of period two stay reachable: a list of single linear layers is optimally column-,
+row-, column-parallel... (Megatron), which one shared choice per layer would forbid. The
+plan is still made per node.
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..graph import layers_of
 from ..tracer.annotate import node_info
-
-_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def block_key(node: fx.Node) -> tuple[str, int] | None:
-    """``(container path, index)`` of the outermost ModuleList element the node belongs to
-    (by module path; by attribute name for parameters and buffers), or ``None``."""
-    path = node.target if node.op == "get_attr" else node_info(node).module_path
-    m = _INDEXED.match(path or "")
-    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _signature(nodes: list[fx.Node], strategies) -> tuple:
@@ -37,7 +28,7 @@ def _signature(nodes: list[fx.Node], strategies) -> tuple:
     def ref(x: fx.Node):
         if x in pos:
             return ("in", pos[x])
-        val = x.meta.get("val")  # from outside the block: only what it is, not which node
+        val = x.meta.get("val")  # from outside the layer: only what it is, not which node
         return ("out", tuple(val.shape) if isinstance(val, torch.Tensor) else None)
 
     sig = []
@@ -48,18 +39,14 @@ def _signature(nodes: list[fx.Node], strategies) -> tuple:
     return tuple(sig)
 
 
-def find_repeated_blocks(nodes: list[fx.Node], strategies) -> dict[fx.Node, fx.Node]:
-    """Map every node of a repeated block instance to the same-position node of an earlier
-    instance with an identical signature (ops, shapes, wiring, argument values, strategy
-    count): the first such instance for even occurrences, the second for odd ones. Nodes
-    outside blocks, and instances that differ, map to themselves."""
-    instances: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
-    for n in nodes:
-        key = block_key(n)
-        if key is not None:
-            instances[key[0]][key[1]].append(n)
+def layer_templates(nodes: list[fx.Node], strategies) -> dict[fx.Node, fx.Node]:
+    """Map every node of a repeated layer (:func:`~autoparallel.graph.layer_of`) to the
+    same-position node of an earlier layer of the same list with an identical signature
+    (ops, shapes, wiring, argument values, strategy count): the first such layer for even
+    occurrences, the second for odd ones. Nodes outside layers, and layers that differ, map
+    to themselves."""
     template: dict[fx.Node, fx.Node] = {n: n for n in nodes}
-    for container, by_index in instances.items():
+    for by_index in layers_of(nodes).values():
         seen: dict[tuple, list[fx.Node]] = {}
         count: dict[tuple, int] = defaultdict(int)
         for idx in sorted(by_index):

@@ -32,7 +32,7 @@ from .annotate import annotate_graph
 from .batchnorm import decompose_batch_norm
 from .decompose import decompose_composites
 from .mutations import functionalize_state
-from .stamp import find_stack, stamp, truncated
+from .stamp import find_layer_list, stamp, truncated
 
 log = logging.getLogger("autoparallel")
 
@@ -145,7 +145,7 @@ class ColoTracer:
     in it may be meta tensors, FakeTensors or real tensors (only shape and dtype are used).
     Each node gets ``node.meta["autoparallel"]``, a :class:`~autoparallel.tracer.NodeInfo`.
 
-    With ``stamp=True`` (default) a deep stack of identical layers is captured by tracing
+    With ``stamp=True`` (default) a deep list of identical layers is captured by tracing
     four of them and copying the rest (:mod:`autoparallel.tracer.stamp`), which keeps
     capture time nearly flat in depth; ``stamp=False`` traces every layer.
 
@@ -158,19 +158,19 @@ class ColoTracer:
         self.stamp = stamp
 
     def trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
-        stack = find_stack(model) if self.stamp else None
+        layer_list = find_layer_list(model) if self.stamp else None
         traced = None
-        if stack is not None:
+        if layer_list is not None:
             try:
-                with truncated(stack):
+                with truncated(layer_list):
                     traced = self._capture(model, meta_inputs)
             except CaptureError:
                 traced = None  # the cut-down model does not capture: the full capture decides
             if traced is not None:
-                traced.stamped_layers = stamp(traced, stack)
+                traced.stamped_layers = stamp(traced, layer_list)
                 if traced.stamped_layers:
-                    log.info("captured layers 0, 1, 2, %d of %s; stamped %d copies", len(stack.layers) - 1,
-                             stack.path, traced.stamped_layers)
+                    log.info("captured layers 0, 1, 2, %d of %s; stamped %d copies", len(layer_list.layers) - 1,
+                             layer_list.path, traced.stamped_layers)
                 else:
                     traced = None
         if traced is None:

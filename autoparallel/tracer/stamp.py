@@ -1,9 +1,9 @@
-"""Layer stamping: capture a deep stack of identical layers by tracing four of them.
+"""Layer stamping: capture a deep list of identical layers by tracing four of them.
 
 ``torch.export`` costs about a millisecond per op on two cores, so capture time grows
 linearly with depth and dominates planning deep models (GPT-2 XL: 48 layers, ~3 s of a
 4 s plan). Transformer layers are one ``nn.ModuleList`` of modules that compute the same
-thing on different parameters. When a model's largest ``ModuleList`` is such a stack of
+thing on different parameters. When a model's largest ``ModuleList`` is such a list of
 ``L >= MIN_LAYERS`` layers, the tracer exports the model with the list cut down to layers
 ``0, 1, 2, L-1`` (:func:`truncated`) and :func:`stamp` rebuilds the full graph: layers
 ``3 .. L-2`` are copies of layer 2's nodes, reading their own parameters, chained output to
@@ -12,7 +12,7 @@ export gives, up to node names.
 
 Guards (any failing one means a full capture, never a wrong graph):
 
-* before tracing (:func:`find_stack`): the layers have the same class, the same parameter
+* before tracing (:func:`find_layer_list`): the layers have the same class, the same parameter
   and buffer names, shapes, dtypes and ``requires_grad``, share no tensor with each other or
   the rest of the model, and their submodules' plain attributes (numbers, strings, flags)
   are equal, except integers that differ from layer to layer (a layer index); the
@@ -20,7 +20,7 @@ Guards (any failing one means a full capture, never a wrong graph):
 * after tracing (:func:`stamp`): the nodes of each traced layer are contiguous, layers 1,
   2 and ``L-1`` have identical node lists (ops, argument values, shapes, dtypes, strides,
   wiring), each layer reads only its own parameters, the previous layer's values and
-  values computed before the stack, and only the next layer reads a layer's values.
+  values computed before the list, and only the next layer reads a layer's values.
 
 What the guards cannot see: a forward that branches on its layer index so that layers 1,
 2 and ``L-1`` agree but another layer differs (e.g. ``if self.layer_idx % 5 == 4``).
@@ -40,13 +40,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..fqn import get_attr, set_attr
+from ..graph import layer_of
 
 MIN_LAYERS = 6
 _PLAIN = (int, float, str, bool, type(None))
 
 
 @dataclass
-class Stack:
+class LayerList:
     """A ``ModuleList`` of interchangeable layers.
 
     Attributes:
@@ -100,7 +101,7 @@ def _interchangeable(model: nn.Module, path: str, layers: nn.ModuleList) -> bool
         return False  # a tensor shared between layers
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     if any(id(t) in inside for n, t in named if not n.startswith(path + ".")):
-        return False  # a layer's tensor tied to one outside the stack
+        return False  # a layer's tensor tied to one outside the list
     config = getattr(model, "config", None)
     for v in (vars(config).values() if config is not None and hasattr(config, "__dict__") else ()):
         if isinstance(v, (list, tuple)) and len(v) == len(layers) and len(set(map(repr, v))) > 1:
@@ -108,26 +109,26 @@ def _interchangeable(model: nn.Module, path: str, layers: nn.ModuleList) -> bool
     return True
 
 
-def find_stack(model: nn.Module) -> Stack | None:
+def find_layer_list(model: nn.Module) -> LayerList | None:
     """The model's largest ``ModuleList`` of at least :data:`MIN_LAYERS` interchangeable
     layers (see the module docstring), or ``None``."""
     candidates = sorted(((len(m), path, m) for path, m in model.named_modules()
                          if isinstance(m, nn.ModuleList) and len(m) >= MIN_LAYERS), key=lambda c: -c[0])
     for _, path, layers in candidates:
         if len({type(layer) for layer in layers}) == 1 and _interchangeable(model, path, layers):
-            return Stack(path, layers)
+            return LayerList(path, layers)
     return None
 
 
 @contextlib.contextmanager
-def truncated(stack: Stack):
-    """Temporarily cut ``stack.layers`` down to the layers in ``stack.keep``."""
-    saved = stack.layers._modules
-    stack.layers._modules = OrderedDict((str(i), saved[str(k)]) for i, k in enumerate(stack.keep))
+def truncated(layer_list: LayerList):
+    """Temporarily cut ``layer_list.layers`` down to the layers in ``layer_list.keep``."""
+    saved = layer_list.layers._modules
+    layer_list.layers._modules = OrderedDict((str(i), saved[str(k)]) for i, k in enumerate(layer_list.keep))
     try:
         yield
     finally:
-        stack.layers._modules = saved
+        layer_list.layers._modules = saved
 
 
 def _renamer(path: str, src: int, dst: int):
@@ -147,7 +148,7 @@ def _val_sig(val):
                  for t in pytree.tree_leaves(val))
 
 
-def stamp(traced, stack: Stack) -> int:
+def stamp(traced, layer_list: LayerList) -> int:
     """Rebuild, in place, the full graph of ``traced`` (captured under :func:`truncated`):
     insert copies of layer 2 for layers ``3 .. L-2`` and move the traced last layer to index
     ``L-1``, registering the copies' parameters and buffers (meta tensors) on ``traced.gm``.
@@ -156,87 +157,126 @@ def stamp(traced, stack: Stack) -> int:
         the number of stamped layers (``L - 4``), or 0 when a guard fails; ``traced`` is
         then unchanged.
     """
-    gm, graph = traced.gm, traced.gm.graph
-    n_layers, prefix = len(stack.layers), stack.path + "."
+    segs = _traced_layers(traced.gm.graph, layer_list.path)
+    if segs is None:
+        return 0
+    stamper = _Stamper(traced, layer_list, segs)
+    if not stamper.layers_match():
+        return 0
+    stamper.rebuild()
+    return len(layer_list.layers) - 4
 
-    def layer_of(node: fx.Node) -> int | None:
-        for path, *_ in (node.meta.get("nn_module_stack") or {}).values():
-            if path.startswith(prefix) and path[len(prefix):].split(".", 1)[0].isdigit():
-                return int(path[len(prefix):].split(".", 1)[0])
-        return None
 
-    def attr_rel(node: fx.Node, p: int) -> str | None:
-        head = f"{prefix}{p}."
-        return node.target[len(head):] if node.op == "get_attr" and node.target.startswith(head) else None
-
-    segs: list[list[fx.Node]] = [[] for _ in stack.keep]
+def _traced_layers(graph: fx.Graph, path: str) -> list[list[fx.Node]] | None:
+    """The op nodes of each of the four traced layers of the list at ``path``, or ``None``
+    when they are not four contiguous runs in layer order."""
+    segs: dict[int, list[fx.Node]] = {}
     order = []
     for n in graph.nodes:
         if n.op in ("call_function", "call_method", "call_module"):
-            p = layer_of(n)
-            order.append(p)
-            if p is not None:
-                segs[p].append(n)
-    inner = [p for p in order]
-    while inner and inner[0] is None:
-        inner.pop(0)
-    while inner and inner[-1] is None:
-        inner.pop()
-    if None in inner or inner != sorted(inner) or set(inner) != {0, 1, 2, 3}:
-        return 0
-    pos = [{n: i for i, n in enumerate(s)} for s in segs]
+            key = layer_of(n, path)
+            order.append(key[1] if key else None)
+            if key:
+                segs.setdefault(key[1], []).append(n)
+    while order and order[0] is None:
+        order.pop(0)
+    while order and order[-1] is None:
+        order.pop()
+    if None in order or order != sorted(order) or set(order) != {0, 1, 2, 3}:
+        return None
+    return [segs[p] for p in range(4)]
 
-    def signature(p: int):
+
+class _Stamper:
+    """The state of one :func:`stamp`: the traced layers' nodes and positions, the
+    graph's ``get_attr`` nodes by target, and where new ones go."""
+
+    def __init__(self, traced, layer_list: LayerList, segs: list[list[fx.Node]]):
+        self.traced, self.gm, self.graph = traced, traced.gm, traced.gm.graph
+        self.path, self.n_layers, self.prefix = layer_list.path, len(layer_list.layers), layer_list.path + "."
+        self.segs = segs
+        self.pos = [{n: i for i, n in enumerate(seg)} for seg in segs]
+        self.attrs: dict[str, fx.Node] = {}
+        self.last_attr: fx.Node | None = None
+
+    def attr_rel(self, node: fx.Node, p: int) -> str | None:
+        """The name of ``node``'s tensor inside layer ``p`` when it is a ``get_attr`` of it."""
+        head = f"{self.prefix}{p}."
+        return node.target[len(head):] if node.op == "get_attr" and node.target.startswith(head) else None
+
+    def signature(self, p: int) -> list:
+        """Layer ``p``'s nodes as data: ops, argument values, wiring and output metadata."""
+        pos, constants = self.pos, self.traced.constants
+
         def ref(x: fx.Node):
             if x in pos[p]:
                 return ("in", pos[p][x])
             if x in pos[p - 1]:
                 return ("prev", pos[p - 1][x])
-            if attr_rel(x, p) is not None:
-                return ("attr", attr_rel(x, p))
-            if x.op == "get_attr" and x.target in traced.constants:
-                c = traced.constants[x.target]
+            if self.attr_rel(x, p) is not None:
+                return ("attr", self.attr_rel(x, p))
+            if x.op == "get_attr" and x.target in constants:
+                c = constants[x.target]
                 return ("const", tuple(c.shape), c.dtype, tuple(c.flatten().tolist()) if c.numel() <= 4096 else x)
-            return ("ext", x) if layer_of(x) is None and attr_rel(x, 0) is None else ("other layer", x)
+            outside = layer_of(x, self.path) is None and self.attr_rel(x, 0) is None
+            return ("ext", x) if outside else ("other layer", x)
         return [(n.op, n.target, pytree.tree_map_only(fx.Node, ref, (n.args, n.kwargs)), _val_sig(n.meta.get("val")))
-                for n in segs[p]]
+                for n in self.segs[p]]
 
-    try:
-        if not signature(1) == signature(2) == signature(3):
-            return 0
-    except Exception:  # an argument that does not compare (e.g. a tensor): do not stamp
-        return 0
-    for p in range(3):  # only the next layer reads a layer's values
-        allowed = set(segs[p]) | set(segs[p + 1])
-        if any(u not in allowed for n in segs[p] for u in n.users):
-            return 0
+    def layers_match(self) -> bool:
+        """The guards after tracing: layers 1, 2 and 3 (the last) have the same signature,
+        and only the next layer reads a layer's values."""
+        try:
+            if not self.signature(1) == self.signature(2) == self.signature(3):
+                return False
+        except Exception:  # an argument that does not compare (e.g. a tensor): do not stamp
+            return False
+        for p in range(3):
+            allowed = set(self.segs[p]) | set(self.segs[p + 1])
+            if any(u not in allowed for n in self.segs[p] for u in n.users):
+                return False
+        return True
 
-    attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
-    # new get_attr nodes go after the traced layer 3's, in layer order, as a full capture has them
-    last_attr = [n for n in attrs.values() if attr_rel(n, 3) is not None][-1]
+    def rebuild(self) -> None:
+        """Copy layer 2 into layers ``3 .. L-2``, then move the traced layer 3 to ``L-1``."""
+        self.attrs = {n.target: n for n in self.graph.nodes if n.op == "get_attr"}
+        # new get_attr nodes go after the traced layer 3's, in layer order, as a full capture has them
+        self.last_attr = [n for n in self.attrs.values() if self.attr_rel(n, 3) is not None][-1]
+        prev = self.segs[2]
+        for layer in range(3, self.n_layers - 1):
+            prev = self.copy_layer(2, layer, prev)
+        self.move_last(prev)
+        self.graph.eliminate_dead_code()  # layer 3's traced parameters, now read by the copy of layer 3 only
+        self.graph.lint()
+        self.gm.recompile()
 
-    def attr_node(template: fx.Node, p: int, layer: int) -> fx.Node:
-        """The get_attr node of ``template``'s tensor in ``layer``; a layer's tensors are all
-        registered on first use, in the template layer's order."""
-        nonlocal last_attr
-        if f"{prefix}{layer}.{attr_rel(template, p)}" not in attrs:
-            for t in [n for n in list(attrs.values()) if attr_rel(n, p) is not None]:
-                target = f"{prefix}{layer}.{attr_rel(t, p)}"
-                value = get_attr(gm, t.target)
-                meta = torch.empty_like(value, device="meta")
-                set_attr(gm, target, nn.Parameter(meta, requires_grad=value.requires_grad)
-                         if isinstance(value, nn.Parameter) else meta)
-                (traced.params if t.target in traced.params else traced.buffers)[target] = [target]
-                if t.target in traced.requires_grad:
-                    traced.requires_grad[target] = traced.requires_grad[t.target]
-                with graph.inserting_after(last_attr):
-                    new = graph.get_attr(target)
-                new.meta = dict(t.meta)
-                attrs[target] = last_attr = new
-        return attrs[f"{prefix}{layer}.{attr_rel(template, p)}"]
+    def attr_node(self, template: fx.Node, p: int, layer: int) -> fx.Node:
+        """The get_attr node of ``template``'s tensor (in layer ``p``) in ``layer``; a
+        layer's tensors are all registered on first use, in the template layer's order."""
+        if f"{self.prefix}{layer}.{self.attr_rel(template, p)}" not in self.attrs:
+            for t in [n for n in list(self.attrs.values()) if self.attr_rel(n, p) is not None]:
+                self._register(t, f"{self.prefix}{layer}.{self.attr_rel(t, p)}")
+        return self.attrs[f"{self.prefix}{layer}.{self.attr_rel(template, p)}"]
 
-    def copy_layer(nodes: list[fx.Node], p: int, layer: int, prev: list[fx.Node]) -> list[fx.Node]:
-        rename = _renamer(stack.path, p, layer)
+    def _register(self, t: fx.Node, target: str) -> None:
+        """A meta tensor like ``t``'s at ``target`` on the graph module, and its get_attr node."""
+        traced = self.traced
+        value = get_attr(self.gm, t.target)
+        meta = torch.empty_like(value, device="meta")
+        set_attr(self.gm, target, nn.Parameter(meta, requires_grad=value.requires_grad)
+                 if isinstance(value, nn.Parameter) else meta)
+        (traced.params if t.target in traced.params else traced.buffers)[target] = [target]
+        if t.target in traced.requires_grad:
+            traced.requires_grad[target] = traced.requires_grad[t.target]
+        with self.graph.inserting_after(self.last_attr):
+            new = self.graph.get_attr(target)
+        new.meta = dict(t.meta)
+        self.attrs[target] = self.last_attr = new
+
+    def copy_layer(self, p: int, layer: int, prev: list[fx.Node]) -> list[fx.Node]:
+        """Copies of layer ``p``'s nodes as layer ``layer``, reading ``prev`` (the copy of
+        the layer before) where layer ``p`` reads layer ``p - 1``."""
+        pos, rename = self.pos, _renamer(self.path, p, layer)
         out: list[fx.Node] = []
 
         def arg(x: fx.Node) -> fx.Node:
@@ -244,28 +284,27 @@ def stamp(traced, stack: Stack) -> int:
                 return out[pos[p][x]]
             if x in pos[p - 1]:
                 return prev[pos[p - 1][x]]
-            if attr_rel(x, p) is not None:
-                return attr_node(x, p, layer)
+            if self.attr_rel(x, p) is not None:
+                return self.attr_node(x, p, layer)
             return x
 
-        with graph.inserting_before(segs[3][0]):
-            for n in nodes:
-                new = graph.node_copy(n, arg)
+        with self.graph.inserting_before(self.segs[3][0]):
+            for n in self.segs[p]:
+                new = self.graph.node_copy(n, arg)
                 new.meta["nn_module_stack"] = _module_stack(n.meta, rename)
                 out.append(new)
         return out
 
-    prev = segs[2]
-    for layer in range(3, n_layers - 1):
-        prev = copy_layer(segs[2], 2, layer, prev)
-    # the traced last layer: its parameters and module paths move from index 3 to L-1
-    last, rename = n_layers - 1, _renamer(stack.path, 3, n_layers - 1)
-    for n in segs[3]:
-        n.args, n.kwargs = pytree.tree_map_only(
-            fx.Node, lambda x: prev[pos[2][x]] if x in pos[2] else attr_node(x, 3, last)
-            if attr_rel(x, 3) is not None else x, (n.args, n.kwargs))
-        n.meta["nn_module_stack"] = _module_stack(n.meta, rename)
-    graph.eliminate_dead_code()  # layer 3's traced parameters, now read by the copy of layer 3 only
-    graph.lint()
-    gm.recompile()
-    return n_layers - 4
+    def move_last(self, prev: list[fx.Node]) -> None:
+        """The traced last layer: its inputs, parameters and module paths move from index 3
+        to ``L-1``."""
+        last, rename = self.n_layers - 1, _renamer(self.path, 3, self.n_layers - 1)
+
+        def arg(x: fx.Node) -> fx.Node:
+            if x in self.pos[2]:
+                return prev[self.pos[2][x]]
+            return self.attr_node(x, 3, last) if self.attr_rel(x, 3) is not None else x
+
+        for n in self.segs[3]:
+            n.args, n.kwargs = pytree.tree_map_only(fx.Node, arg, (n.args, n.kwargs))
+            n.meta["nn_module_stack"] = _module_stack(n.meta, rename)
