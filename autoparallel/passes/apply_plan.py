@@ -114,8 +114,8 @@ class _Emitter:
     Args:
         graph: the per-device graph being built.
         coord: its ``mesh_coord`` placeholder.
-        plan: the plan (its mesh gives the axis sizes and names).
-        groups: the process group of each mesh axis (:func:`process_groups`, or plain names).
+        plan: the plan (its mesh gives the axis sizes).
+        groups: the process group of each mesh axis (:func:`process_groups`).
         names: emitted node → preferred name, filled for the mesh-coordinate nodes.
     """
 
@@ -124,7 +124,7 @@ class _Emitter:
         self.coord = coord
         self.groups = groups
         self.mesh_shape = plan.mesh.shape
-        self.axis_names = plan.mesh.axis_names
+        self.axis_names = [g.name for g in groups]
         self.names: dict[fx.Node, str] = {} if names is None else names
         self._coord_axis: dict[int, fx.Node] = {}
         self._first: dict[int, fx.Node] = {}
@@ -241,7 +241,9 @@ class _PerDeviceGraph:
         self.param_targets, self.world_size = param_targets, world_size
         self.graph = fx.Graph()
         self.names: dict[fx.Node, str] = {}  # emitted node → preferred name (:func:`_named_copy`)
-        self.groups = process_groups(plan.mesh.axis_names, group_names)
+        self.groups = group_names if all(isinstance(g, enum.Enum) for g in group_names) else \
+            process_groups([f"axis{a}" for a in range(len(group_names))], group_names)
+        self.axis_names = [g.name for g in self.groups]
         self.em = _Emitter(self.graph, self.graph.placeholder("mesh_coord"), plan, self.groups, self.names)
         self.env: dict[fx.Node, fx.Node] = {}
         self.by_input = {(c.dst, c.arg): c for c in plan.conversions}
@@ -293,7 +295,7 @@ class _PerDeviceGraph:
         key = (x, target)
         if key not in self.done:
             module = self.plan.nodes[dst].module_path if dst in self.plan.nodes else "output"
-            names = self.plan.mesh.axis_names
+            names = self.axis_names
             what = (f"{module + ': ' if module else ''}redistribute {x.name} {placements_str(src, names)} -> "
                     f"{placements_str(target, names)}")
             since = _tail(self.graph)
@@ -343,7 +345,7 @@ class _PerDeviceGraph:
         self.env[node] = record.local(call) if record is not None and record.local is not None else call.emit()
         split = any(p != R for spec in (*np_.input_specs, *np_.output_specs) for p in spec)
         if split and _rewritten(since, self.env[node], node.target, leaves):
-            names = self.plan.mesh.axis_names
+            names = self.axis_names
             ins = ", ".join(placements_str(s, names) for s in np_.input_specs)
             outs = ", ".join(placements_str(s, names) for s in np_.output_specs)
             self.comment(since, f"{np_.module_path + ': ' if np_.module_path else ''}{ins} -> {outs}")
@@ -435,7 +437,8 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
     Args:
         gm: the traced graph the plan was made for.
         plan: the plan (node names must match ``gm``).
-        group_names: c10d process-group name of each mesh axis.
+        group_names: the process group of each mesh axis: :func:`process_groups` members, printed
+            by mesh-axis name (``Group.tp``), or plain c10d group names (``Group.axis1``).
         device: device type the module runs on (e.g. ``"cpu"``, ``"cuda"``).
         param_targets: ``get_attr`` targets that are parameters or buffers (DTensors).
         world_size: number of devices in the mesh.
