@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import Shard
 
 import autoparallel
 from autoparallel.api import emit
@@ -28,7 +29,7 @@ from autoparallel.placement import R
 from autoparallel.solver import CostModel
 from autoparallel.solver.planner import Planner
 from autoparallel.graph import op_args, tensor_inputs
-from autoparallel.strategies import StrategyGenerator
+from autoparallel.strategies import StrategyGenerator, generator
 from autoparallel.strategies.coverage import FALLBACK, RULE, coverage_of
 from autoparallel.strategies.engine import DimMap
 from autoparallel.strategies.records import RECORDS, OpRecord
@@ -443,3 +444,14 @@ def test_pointwise_rule_declines_an_input_that_does_not_broadcast_into_the_outpu
     assert pointwise_dimmap(None, [(4, 3)], [(4, 4)]) is None
     dm = pointwise_dimmap(None, [(4, 4), (1, 4)], [(4, 4)])
     assert dm.inputs == [("d0", "d1"), (None, "d1")]
+
+
+def test_an_op_tagged_pointwise_gets_the_pointwise_rule_when_the_registry_does_not_split_it(monkeypatch):
+    """``torch.Tag.pointwise`` classifies ops without a record of ours: ``atan2`` (tagged, no
+    record), with DTensor's registry made silent, is split like any broadcasting pointwise op."""
+    monkeypatch.setattr(generator, "registry_strategies", lambda node, mesh_shape: None)
+    _, traced = _captured(torch.atan2, ((4, 8), (8,)))
+    node = next(n for n in traced.gm.graph.nodes if n.target == aten.atan2.default)
+    strategies, source = generator.node_strategies(node, (4,))
+    assert aten.atan2.default not in RECORDS and source == RULE
+    assert {s.inputs for s in strategies} == {((R,), (R,)), ((Shard(0),), (R,)), ((Shard(1),), (Shard(0),))}

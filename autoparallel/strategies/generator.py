@@ -111,8 +111,9 @@ class StrategyGenerator:
     Placeholders (the global batch) are replicated: consumers that want them split take
     a local slice, which costs nothing. Parameters and buffers may be split over any of
     their dims. An op that returns no tensor (``x.item()``: a Python number) reads its
-    tensor inputs replicated, so that every device computes the global value. ``getitem`` nodes alias an output of their producer and get no strategies
-    of their own (see :attr:`aliases`). A node that no rule of ours covers (no rule for
+    tensor inputs replicated, so that every device computes the global value. ``getitem``
+    nodes alias an output of their producer and get no strategies of their own (see
+    :attr:`aliases`). A node that no rule of ours covers (no rule for
     its op, or the rule returns nothing for its arguments) takes the strategies DTensor's
     sharding registry lists for it (:func:`.torch_registry.registry_strategies`), recorded
     in :attr:`registry_ops`; when that gives none but the replicated one, the node runs

@@ -18,7 +18,7 @@ Everything the pipeline knows about an op beyond the generic machinery lives in 
 
 The solver asks :func:`record_of` for ``cost``, the passes for ``local``; neither names an
 op. Ops with ``torch.Tag.pointwise`` that have no record of their own and that DTensor's
-registry does not split get :data:`POINTWISE_RECORD` (see
+registry does not split get :data:`~autoparallel.strategies.rules.POINTWISE_RECORD` (see
 :func:`~autoparallel.strategies.generator.node_strategies`).
 """
 
