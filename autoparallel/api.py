@@ -24,10 +24,8 @@ from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
 from .passes import apply_plan
-from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.dropout import shard_random_ops
-from .solver.remat import region_from_json
 from .placement import R, Spec, spec_str, spec_to_json
 from .plan import Plan
 from .profile import profile_mesh
@@ -465,8 +463,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModul
     """The per-device graph of ``plan`` for ``traced`` as a GraphModule over ``root`` (a module
     or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
     :func:`apply_plan`, per-shard random ops, activation checkpointing."""
-    groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
-                            [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
+    groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
     targets = set(traced.params) | set(traced.buffers)
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device)
@@ -474,9 +471,9 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModul
     graph.set_codegen(CommentedCode())
     gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
     if plan.checkpoint:
-        stages = plan.checkpoint["stages"]
+        stages = plan.checkpoint.stages
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
-        apply_checkpointing(gm, stage_of, [region_from_json(r) for r in plan.checkpoint["regions"]])
+        apply_checkpointing(gm, stage_of, plan.checkpoint.regions)
         readable(gm)  # the regions' own graphs print their comments too
     return gm
 

@@ -1,4 +1,5 @@
-"""Plan: the chosen strategy of every node, the conversions between them, and estimates.
+"""Plan: the chosen strategy of every node, the conversions between them, the activation
+checkpointing, and estimates.
 
 A plan is data: printable as a table, JSON round-trip exact, and identical on every rank
 (rank 0 solves, the others receive its JSON).
@@ -15,7 +16,120 @@ from torch.distributed.tensor import Shard
 
 from .mesh import MeshSpec
 from .placement import Spec, spec_from_json, spec_str, spec_to_json
-from .solver.layout import Move
+
+
+@dataclass(frozen=True)
+class Move:
+    """One step of a layout conversion (:mod:`autoparallel.solver.layout`): ``kind`` (one of
+    :data:`MOVE_KINDS`) along mesh ``axis``; ``src_dim``/``dst_dim`` are the tensor dims
+    involved (``None`` where not applicable); ``nbytes`` the bytes the collective moves (as
+    in :meth:`~autoparallel.solver.costs.CostModel.collective_time`)."""
+
+    kind: str
+    axis: int
+    src_dim: int | None
+    dst_dim: int | None
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Chain stages ``[start, stop)`` run under one ``torch.utils.checkpoint``; ``children``
+    are checkpointed again during its recompute (:mod:`autoparallel.solver.rotor`)."""
+
+    start: int
+    stop: int
+    children: tuple["Region", ...] = ()
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "stop": self.stop, "children": [c.to_json() for c in self.children]}
+
+
+@dataclass
+class RegionSummary:
+    """One top-level checkpoint region as the plan's table prints it: its ``stages``
+    (``"3-5"``), the first and last ``modules`` it runs, its op ``nodes``, the activation
+    bytes per device it saves (``saved_bytes``) and the forward seconds it recomputes."""
+
+    stages: str
+    modules: str
+    nodes: int
+    saved_bytes: int
+    recompute_s: float
+
+
+@dataclass
+class CheckpointSchedule:
+    """Checkpoint regions with the seconds they recompute and the activation peak (bytes
+    per device) the chain model gives them."""
+
+    regions: tuple[Region, ...]
+    recompute_s: float
+    chain_peak_bytes: float
+
+    def to_json(self) -> dict:
+        return {"regions": [r.to_json() for r in self.regions], "recompute_s": self.recompute_s,
+                "chain_peak_bytes": self.chain_peak_bytes}
+
+
+@dataclass
+class CheckpointPlan:
+    """The activation checkpointing of a plan (:mod:`autoparallel.solver.remat`).
+
+    Attributes:
+        stages: node name → its stage in the chain the regions are ranges of.
+        regions: the top-level regions, nested, run under non-reentrant ``torch.utils.checkpoint``.
+        table: per top-level region, what it saves and recomputes.
+        recompute_s: forward seconds recomputed in the backward.
+        chain_peak_bytes: the activation peak of the chain model under ``regions`` (bytes per
+            device; ``None`` in plans that did not record it).
+        every_stage: for comparison, the schedule checkpointing every stage (``None`` when
+            not recorded).
+    """
+
+    stages: dict[str, int]
+    regions: tuple[Region, ...]
+    table: list[RegionSummary]
+    recompute_s: float
+    chain_peak_bytes: float | None = None
+    every_stage: CheckpointSchedule | None = None
+
+    def to_json(self) -> dict:
+        return {"stages": dict(self.stages), "regions": [r.to_json() for r in self.regions],
+                "table": [asdict(r) for r in self.table], "recompute_s": self.recompute_s,
+                "chain_peak_bytes": self.chain_peak_bytes,
+                "every_stage": self.every_stage.to_json() if self.every_stage else {}}
+
+    @classmethod
+    def from_json(cls, d) -> "CheckpointPlan":
+        """Inverse of :meth:`to_json`; ``chain_peak_bytes`` and ``every_stage`` may be absent.
+
+        Raises:
+            ValueError: a field missing, unknown or of the wrong type, or regions that are
+                not ascending, disjoint stage ranges within the chain and their parent.
+        """
+        _fields(d, _CHECKPOINT_FIELDS, "checkpoint", optional=("chain_peak_bytes", "every_stage"))
+        stages = d["stages"]
+        _check(isinstance(stages, dict) and bool(stages) and all(_is_count(v) for v in stages.values()),
+               "checkpoint", "stages", "an object of node name -> stage (int >= 0)", stages)
+        n_stages = max(stages.values()) + 1
+        regions = _regions(d["regions"], 0, n_stages, "regions")
+        _check(_is_number(d["recompute_s"]), "checkpoint", "recompute_s", "a number of seconds", d["recompute_s"])
+        _check(isinstance(d["table"], list), "checkpoint", "table", "a list", d["table"])
+        table = [_region_summary(row, f"table[{i}]") for i, row in enumerate(d["table"])]
+        peak = d.get("chain_peak_bytes")
+        _check(peak is None or _is_number(peak), "checkpoint", "chain_peak_bytes", "a number of bytes", peak)
+        every = d.get("every_stage") or None
+        if every is not None:
+            _fields(every, ("regions", "recompute_s", "chain_peak_bytes"), "checkpoint: every_stage")
+            for k in ("recompute_s", "chain_peak_bytes"):
+                _check(_is_number(every[k]), "checkpoint: every_stage", k, "a number", every[k])
+            every = CheckpointSchedule(_regions(every["regions"], 0, n_stages, "every_stage.regions"),
+                                       every["recompute_s"], every["chain_peak_bytes"])
+        return cls(dict(stages), regions, table, d["recompute_s"], peak, every)
 
 
 @dataclass
@@ -150,10 +264,7 @@ class Plan:
             also ``checkpointed_peak_bytes``); ``costs``: what priced the plan
             (:meth:`~autoparallel.solver.costs.CostModel.describe`: a preset or a measured profile).
         solver_stats: ILP size, times (s), status.
-        checkpoint: activation checkpointing (empty when none): ``stages`` (node name →
-            chain stage), ``regions`` (nested ``{"start", "stop", "children"}`` stage ranges
-            run under ``torch.utils.checkpoint``), ``table`` (per top-level region: stages,
-            bytes saved, recompute seconds) and ``recompute_s``.
+        checkpoint: the activation checkpointing, ``None`` when nothing is recomputed.
     """
 
     mesh: MeshSpec
@@ -162,7 +273,7 @@ class Plan:
     param_placements: dict[str, Spec]
     estimate: dict = field(default_factory=dict)
     solver_stats: dict = field(default_factory=dict)
-    checkpoint: dict = field(default_factory=dict)
+    checkpoint: CheckpointPlan | None = None
 
     @property
     def collectives(self) -> list[dict]:
@@ -194,8 +305,8 @@ class Plan:
                 + (f"; priced by {est['costs']}" if est.get("costs") else ""))
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
-            regions = [[r["stages"], r["modules"], r["nodes"], f"{r['saved_bytes'] / 2**20:.1f}",
-                        f"{r['recompute_s']:.3g}"] for r in self.checkpoint["table"]]
+            regions = [[r.stages, r.modules, r.nodes, f"{r.saved_bytes / 2**20:.1f}", f"{r.recompute_s:.3g}"]
+                       for r in self.checkpoint.table]
             out += "\n\nactivation checkpointing (recomputed in backward):\n" + tabulate(
                 regions, ["stages", "modules", "nodes", "memory saved MiB", "recompute s"], tablefmt="simple")
         return out
@@ -211,7 +322,7 @@ class Plan:
             "param_placements": {k: spec_to_json(v) for k, v in self.param_placements.items()},
             "estimate": self.estimate,
             "solver_stats": self.solver_stats,
-            "checkpoint": self.checkpoint,
+            "checkpoint": self.checkpoint.to_json() if self.checkpoint else {},
         })
 
     @classmethod
@@ -262,8 +373,7 @@ class Plan:
                 _check(_is_number(d["estimate"][k]), "estimate", k, "a number", d["estimate"][k])
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
-        if checkpoint:
-            _check_checkpoint(checkpoint)
+        checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
         return cls(mesh, nodes, conversions, params, d["estimate"], d["solver_stats"], checkpoint)
 
     def __eq__(self, other) -> bool:
@@ -271,11 +381,13 @@ class Plan:
 
 
 MOVE_KINDS = ("all_gather", "all_to_all", "slice", "all_reduce", "reduce_scatter", "mask")
-"""The kinds of :class:`~autoparallel.solver.layout.Move` (see :mod:`autoparallel.solver.layout`)."""
+"""The kinds of :class:`Move` (see :mod:`autoparallel.solver.layout`)."""
 _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_specs", "output_specs",
                 "compute_s", "comm_s", "memory_bytes")
 _CONVERSION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "conversions", "param_placements", "estimate", "solver_stats", "checkpoint")
+_CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
+_SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 
 
 def _is_number(v) -> bool:
@@ -337,11 +449,11 @@ def _check_len(spec: Spec, mesh: MeshSpec, where: str, field_name: str) -> None:
                          f"{mesh.shape} has {mesh.ndim} axes")
 
 
-def _check_regions(regions, lo: int, hi: int, where: str) -> None:
-    """A list of ``{"start", "stop", "children"}`` stage ranges, ascending and disjoint, within
-    ``[lo, hi)``, children inside their parent."""
+def _regions(regions, lo: int, hi: int, where: str) -> tuple[Region, ...]:
+    """The regions of a list of ``{"start", "stop", "children"}`` stage ranges, ascending and
+    disjoint, within ``[lo, hi)``, children inside their parent."""
     _check(isinstance(regions, list), "checkpoint", where, "a list of regions", regions)
-    prev = lo
+    out, prev = [], lo
     for i, r in enumerate(regions):
         at = f"{where}[{i}]"
         _fields(r, ("start", "stop", "children"), f"checkpoint: {at}")
@@ -349,23 +461,15 @@ def _check_regions(regions, lo: int, hi: int, where: str) -> None:
         if not (_is_count(start) and _is_count(stop) and prev <= start < stop <= hi):
             raise ValueError(f"checkpoint: {at} covers stages [{start!r}, {stop!r}), expected ints with "
                              f"{prev} <= start < stop <= {hi} (regions ascending, disjoint, inside their parent)")
-        _check_regions(r["children"], start, stop, f"{at}.children")
+        out.append(Region(start, stop, _regions(r["children"], start, stop, f"{at}.children")))
         prev = stop
+    return tuple(out)
 
 
-def _check_checkpoint(cp: dict) -> None:
-    """The fields of ``Plan.checkpoint`` that apply_checkpointing and table() read."""
-    for k in ("stages", "regions", "table", "recompute_s"):
-        if k not in cp:
-            raise ValueError(f"checkpoint: missing field {k!r}")
-    stages = cp["stages"]
-    _check(isinstance(stages, dict) and bool(stages) and all(_is_count(v) for v in stages.values()),
-           "checkpoint", "stages", "an object of node name -> stage (int >= 0)", stages)
-    _check_regions(cp["regions"], 0, max(stages.values()) + 1, "regions")
-    _check(_is_number(cp["recompute_s"]), "checkpoint", "recompute_s", "a number of seconds", cp["recompute_s"])
-    _check(isinstance(cp["table"], list), "checkpoint", "table", "a list", cp["table"])
-    for i, row in enumerate(cp["table"]):
-        ok = isinstance(row, dict) and isinstance(row.get("stages"), str) and isinstance(row.get("modules"), str) \
-            and _is_count(row.get("nodes")) and _is_count(row.get("saved_bytes")) and _is_number(row.get("recompute_s"))
-        _check(ok, "checkpoint", f"table[{i}]", "an object with stages and modules (strings), nodes and "
-               "saved_bytes (ints >= 0) and recompute_s (seconds)", row)
+def _region_summary(row, where: str) -> RegionSummary:
+    ok = isinstance(row, dict) and set(row) == set(_SUMMARY_FIELDS) and isinstance(row["stages"], str) \
+        and isinstance(row["modules"], str) and _is_count(row["nodes"]) and _is_count(row["saved_bytes"]) \
+        and _is_number(row["recompute_s"])
+    _check(ok, "checkpoint", where, "an object with stages and modules (strings), nodes and saved_bytes "
+           "(ints >= 0) and recompute_s (seconds)", row)
+    return RegionSummary(**row)

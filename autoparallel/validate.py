@@ -308,7 +308,7 @@ def _shard(d: int | None):
 
 def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
     want = {n.name: s for n, s in chain_stages([n for n in gm.graph.nodes if n.op != "output"]).items()}
-    have = plan.checkpoint["stages"]
+    have = plan.checkpoint.stages
     for name, s in want.items():
         if have.get(name) != s:
             raise _mismatch(f"checkpoint stages[{name!r}]", "the stage the graph's chain gives", s, have.get(name))

@@ -133,13 +133,13 @@ def checkpointing():
         ck = autoparallel.autoparallelize(copy.deepcopy(model), _meta(batch), device_mesh=mesh, cost_model=cost,
                                           cache_dir=False, memory_budget=budget)
         every_plan = copy.deepcopy(ck.plan)
-        every_plan.checkpoint["regions"] = every_plan.checkpoint["every_stage"]["regions"]
+        every_plan.checkpoint.regions = every_plan.checkpoint.every_stage.regions
         every = autoparallel.api.emit(copy.deepcopy(model), traced, every_plan, mesh)
         base = _step_seconds(plain, batch)
-        rows = [("Rotor schedule", ck, ck.plan.checkpoint["recompute_s"]),
-                ("every stage", every, ck.plan.checkpoint["every_stage"]["recompute_s"])]
+        rows = [("Rotor schedule", ck, ck.plan.checkpoint.recompute_s),
+                ("every stage", every, ck.plan.checkpoint.every_stage.recompute_s)]
         step_model = free.estimate["step_time_s"]
-        print(f"  regions chosen: {[(r['start'], r['stop']) for r in ck.plan.checkpoint['regions']]}")
+        print(f"  regions chosen: {[(r.start, r.stop) for r in ck.plan.checkpoint.regions]}")
         for label, module, recompute in rows:
             t = _step_seconds(module, batch)
             peak = _measure(module, batch)

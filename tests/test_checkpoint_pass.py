@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 
 from autoparallel.passes.checkpoint import apply_checkpointing
-from autoparallel.solver.rotor import Region
+from autoparallel.plan import Region
 
 CALLS = {"n": 0}
 

@@ -216,13 +216,13 @@ def test_checkpoint_recompute_draws_the_forward_masks(mesh_shape, sim_mesh):
     for fraction in (0.6, 0.5):  # the tightest budget the sharding alone cannot meet depends on the mesh
         plan = autoparallel.plan(model, meta, mesh_shape=mesh_shape, cost_model=CPU, cache_dir=False,
                                  memory_budget=int(fraction * free.estimate["peak_memory_bytes"]))
-        if plan.checkpoint.get("regions"):
+        if plan.checkpoint and plan.checkpoint.regions:
             break
-    assert plan.checkpoint.get("regions"), "the budget should need recomputation"
+    assert plan.checkpoint and plan.checkpoint.regions, "the budget should need recomputation"
     traced = ColoTracer().trace(model, meta)
     with LocalTensorMode(frozenset(range(mesh.size()))):
         ck = emit(copy.deepcopy(model), traced, plan, mesh)
-        plain = emit(copy.deepcopy(model), traced, dataclasses.replace(plan, checkpoint={}), mesh)
+        plain = emit(copy.deepcopy(model), traced, dataclasses.replace(plan, checkpoint=None), mesh)
         regions = [m.code for n, m in ck.graph_module.named_children() if n.startswith("checkpoint")]
         assert any("random_dropout" in code for code in regions), "dropout should run inside a checkpoint region"
         results = []

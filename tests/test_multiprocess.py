@@ -155,7 +155,7 @@ def _worker(rank: int, port: int) -> None:
         budget = int(0.5 * free.estimate["peak_memory_bytes"])
         pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cpu,
                                               memory_budget=budget, cache_dir=False)
-        assert pmodel.plan.checkpoint["regions"], "the budget should need recomputation"
+        assert pmodel.plan.checkpoint and pmodel.plan.checkpoint.regions, "the budget should need recomputation"
         loss = pmodel(**batch).loss
         loss.backward()
         ref_loss = ref(**batch).loss

@@ -186,7 +186,7 @@ def _emitted(traced, plan):
                        plan.mesh.size, traced_on=traced.device)
     shard_random_ops(graph, plan)
     code = graph.python_code("self").src
-    return code, plan.param_placements, plan.mesh.shape, plan.checkpoint.get("stages")
+    return code, plan.param_placements, plan.mesh.shape, plan.checkpoint.stages if plan.checkpoint else None
 
 
 INFORMATIONAL = {"node.compute_s", "node.comm_s", "node.memory_bytes", "conversion.cost_s", "move.nbytes",

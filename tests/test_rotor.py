@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from autoparallel.solver.rotor import (Chain, InfeasibleBudget, Region, checkpoint_every_stage, chen_sqrt, min_budget,
+from autoparallel.plan import Region
+from autoparallel.solver.rotor import (Chain, InfeasibleBudget, checkpoint_every_stage, chen_sqrt, min_budget,
                                        no_checkpoint, simulate, solve)
 
 

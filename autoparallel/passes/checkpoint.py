@@ -1,6 +1,6 @@
 """Wrap stage ranges of the per-device graph in nested non-reentrant checkpoint calls.
 
-Each region of a checkpoint schedule (:class:`~autoparallel.solver.rotor.Region`, a tree)
+Each region of a checkpoint schedule (:class:`~autoparallel.plan.Region`, a tree)
 becomes a sub-``GraphModule`` holding its ops, called through
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the forward keeps only
 the region's inputs, the backward recomputes the region. Children become checkpoint calls
@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from ..graph import written_args
-from ..solver.rotor import Region
+from ..plan import Region
 
 
 def _writes_outside(node: fx.Node, inside: set[fx.Node]) -> bool:

@@ -25,37 +25,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..placement import P, R, Spec, local_shape, shard_axes
+from ..plan import Move
 from .costs import CostModel
 
 _CONJUGATE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
               "all_reduce": "all_reduce"}
 _LOCAL_MOVE_COST = 1e-9  # local slices/masks are free but should not be taken for nothing
-
-
-@dataclass(frozen=True)
-class Move:
-    """One step of a conversion: ``kind`` along mesh ``axis``; ``src_dim``/``dst_dim`` are
-    the tensor dims involved (``None`` where not applicable); ``nbytes`` the bytes the
-    collective moves (as in :meth:`CostModel.collective_time`)."""
-
-    kind: str
-    axis: int
-    src_dim: int | None
-    dst_dim: int | None
-    nbytes: int
-
-    def to_json(self) -> list:
-        return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes]
-
-    @classmethod
-    def from_json(cls, v) -> "Move":
-        return cls(*v)
 
 
 class LayoutConverter:

@@ -289,7 +289,7 @@ class Planner:
         plan = plan or self.make_plan(choice, meta)
         if checkpoint is not None:
             plan.checkpoint, peak = checkpoint
-            plan.estimate["step_time_s"] += plan.checkpoint["recompute_s"]
+            plan.estimate["step_time_s"] += plan.checkpoint.recompute_s
             plan.estimate["peak_memory_bytes"] = plan.estimate["memory"]["checkpointed_peak_bytes"] = peak
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,

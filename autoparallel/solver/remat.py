@@ -19,11 +19,11 @@ import numpy as np
 import torch.fx as fx
 
 from ..graph import layers_of
-from ..plan import Plan
+from ..plan import CheckpointPlan, CheckpointSchedule, Plan, Region, RegionSummary
 from ..strategies import Strategy
 from ..tracer.annotate import node_info
 from .memory import MemoryModel
-from .rotor import Chain, Region, Schedule, checkpoint_every_stage
+from .rotor import Chain, Schedule, checkpoint_every_stage
 
 
 def chain_stages(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -133,21 +133,13 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
     return chain, int(fixed)
 
 
-def region_json(r: Region) -> dict:
-    return {"start": r.start, "stop": r.stop, "children": [region_json(c) for c in r.children]}
-
-
-def region_from_json(d: dict) -> Region:
-    return Region(d["start"], d["stop"], tuple(region_from_json(c) for c in d["children"]))
-
-
 def _span_modules(stages: dict[fx.Node, int], r: Region) -> str:
     """First and last module paths of the ops of region ``r``."""
     paths = [node_info(n).module_path for n, s in stages.items() if r.start <= s < r.stop]
     return paths[0] if paths[0] == paths[-1] else f"{paths[0]} … {paths[-1]}"
 
 
-def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]) -> dict:
+def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]) -> CheckpointPlan:
     """``Plan.checkpoint`` for ``schedule``: node stages, region tree, per-region table, and
     for comparison the schedule checkpointing every stage (regions, recompute seconds,
     modelled activation peak)."""
@@ -155,13 +147,11 @@ def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]
     table = []
     for r in schedule.regions:
         span = slice(r.start, r.stop)
-        table.append({"stages": f"{r.start}-{r.stop - 1}", "modules": _span_modules(stages, r),
-                      "nodes": int(count[span].sum()),
-                      "saved_bytes": int(chain.xbar[span].sum() - chain.x[r.start]),
-                      "recompute_s": float(chain.fwd_time[span].sum())})
+        table.append(RegionSummary(f"{r.start}-{r.stop - 1}", _span_modules(stages, r), int(count[span].sum()),
+                                   int(chain.xbar[span].sum() - chain.x[r.start]),
+                                   float(chain.fwd_time[span].sum())))
     every = checkpoint_every_stage(chain)
-    return {"stages": {n.name: int(s) for n, s in stages.items()},
-            "regions": [region_json(r) for r in schedule.regions], "table": table,
-            "recompute_s": float(schedule.recompute_time), "chain_peak_bytes": float(schedule.peak_bytes),
-            "every_stage": {"regions": [region_json(r) for r in every.regions],
-                            "recompute_s": float(every.recompute_time), "chain_peak_bytes": float(every.peak_bytes)}}
+    return CheckpointPlan({n.name: int(s) for n, s in stages.items()}, tuple(schedule.regions), table,
+                          float(schedule.recompute_time), float(schedule.peak_bytes),
+                          CheckpointSchedule(tuple(every.regions), float(every.recompute_time),
+                                             float(every.peak_bytes)))

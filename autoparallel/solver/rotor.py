@@ -26,7 +26,8 @@ end of the step: every peak inside ``run(s, t)`` includes those of stages ``t..`
 the backward of ``s`` those of ``s..``.
 
 ``C(s, t, m)``, the least time of ``run(s, t)`` whose peak stays within ``m`` memory
-slots, follows from these two options; a schedule is a tree of :class:`Region`.
+slots, follows from these two options; a schedule is a tree of
+:class:`~autoparallel.plan.Region`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..plan import Region
 
 
 class InfeasibleBudget(ValueError):
@@ -86,16 +89,6 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class Region:
-    """Stages ``[start, stop)`` run under one checkpoint; ``children`` are checkpointed
-    again during its recompute."""
-
-    start: int
-    stop: int
-    children: tuple["Region", ...] = ()
-
-
-@dataclass(frozen=True)
 class Schedule:
     """Top-level regions, modelled total seconds (forward, backward and recompute), the
     recompute seconds alone, and the modelled peak bytes."""
@@ -124,9 +117,9 @@ def _region_forward_peak(c: Chain, s: int, k: int, t: int) -> float:
 
 # ------------------------------------------------------------------ simulation
 def simulate(chain: Chain, regions) -> tuple[float, float]:
-    """Seconds and peak bytes of executing ``regions`` (a tree of :class:`Region`, or a
-    :class:`Schedule`) on ``chain``, stage by stage in nested-checkpoint order (see the
-    module docstring for what is live when).
+    """Seconds and peak bytes of executing ``regions`` (a tree of
+    :class:`~autoparallel.plan.Region`, or a :class:`Schedule`) on ``chain``, stage by stage
+    in nested-checkpoint order (see the module docstring for what is live when).
 
     Raises:
         ValueError: overlapping, empty or out-of-range regions.
