@@ -24,6 +24,7 @@ from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
 from .passes import apply_plan
+from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.dropout import shard_random_ops
 from .placement import R, Spec, spec_str, spec_to_json
@@ -463,7 +464,8 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModul
     """The per-device graph of ``plan`` for ``traced`` as a GraphModule over ``root`` (a module
     or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
     :func:`apply_plan`, per-shard random ops, activation checkpointing."""
-    groups = [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)]
+    groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
+                            [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device)
