@@ -1,4 +1,4 @@
-# autoparallel: make demo | make test | make test-fast | make bench | make clean
+# autoparallel: make demo | make test | make test-fast | make bench | make bench-speed | make clean
 
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: test test-fast demo bench clean venv
+.PHONY: test test-fast demo bench bench-speed clean venv
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_time.py
+
+# step time and peak memory against DDP, FSDP2, Megatron TP and FSDP2+TP (torchrun, worlds 1, 2 and 4)
+bench-speed: $(STAMP)
+	$(PY) benchmarks/vs_torch.py
 
 clean:
 	rm -rf .venv

@@ -1,0 +1,620 @@
+"""Training step time and peak memory of autoparallel next to PyTorch's hand-written recipes.
+
+Models (Hugging Face architectures built from a config, random weights seeded alike, dropout 0,
+AdamW, the loss of the model's own ``labels=`` path):
+
+* ``gpt2``: GPT-2, 4 layers x 256 hidden, 4 heads, vocabulary 2048;
+* ``llama``: Llama, 4 layers x 256 hidden, 8 heads / 4 key-value heads, MLP 688, vocabulary 2048;
+
+global batch 8 x 128 tokens. One row per variant and configuration (world size and mesh):
+
+* ``eager``: the plain model on one device (world 1 only);
+* ``autoparallel``: ``autoparallelize(model, meta_inputs, device_mesh=mesh)``, parallelism "auto";
+* ``autoparallel data``: the same with ``parallelism="data"``;
+* ``DDP``: ``DistributedDataParallel``, each rank its share of the global batch;
+* ``FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every transformer block, then the root;
+* ``TP``: Megatron tensor parallelism with ``parallelize_module``: q/k/v and gate/up
+  ``ColwiseParallel``, o and down ``RowwiseParallel``; every rank the whole batch;
+* ``FSDP2+TP`` (mesh (2, 2)): TP over the second mesh axis, then ``fully_shard`` over the first.
+
+Configurations: world 1, mesh (1,) (eager against autoparallel); world 2, mesh (2,); world 4,
+meshes (4,) and (2, 2) (DDP and FSDP2 run over all 4 ranks and appear under both). Each world
+size is one ``torchrun`` job; inside it every variant is built up front, warmed up, then timed
+in interleaved rounds (each round times ``--steps`` steps of every variant in turn, the order
+rotating from round to round); the step time is the median over rounds of the slowest rank's
+mean step. A step is forward, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``;
+``fwd+bwd`` is its forward and backward part, which is what the plan's estimate
+(``plan.estimate["step_time_s"]``) predicts.
+
+Peak memory per device, the largest rank: on CUDA, ``torch.cuda.max_memory_allocated`` over the
+variant's warm-up steps (counter reset once it is built) minus what was allocated before it was
+built, so the variants built earlier do not count and what the variant keeps (parameters, DDP's
+buckets, optimizer states) does; on CPU, ``MemTracker`` (``torch.distributed._tools.mem_tracker``)
+over one more steady-state step: the module's parameters, gradients and optimizer states plus
+every tensor the step allocates through torch's dispatcher (buffers that c10d/gloo allocate
+internally are not seen). The ``loss0`` column is the step-0 loss of the global batch (the mean
+over the data-parallel ranks where each holds a share): every variant starts from the same
+weights and must match the eager model (``(!)`` where it does not).
+
+    python benchmarks/vs_torch.py                     # every model, worlds 1, 2 and 4: one table
+    python benchmarks/vs_torch.py --quick             # tiny sizes, few steps (a smoke run)
+    python benchmarks/vs_torch.py --models llama --worlds 2 --json out.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/vs_torch.py --models gpt2   # one job, its table
+
+Targets (printed, not asserted): autoparallel data <= 1.05x DDP; autoparallel <= 1.0x the best
+hand-written recipe of its configuration; the estimate within +-25 % of the measured fwd+bwd;
+on a 1-device mesh the emitted module within 5 % of the eager model.
+
+Cost model: ``--cost-model default`` passes none, so autoparallelize prices the mesh as
+``autoparallel.profile_mesh`` measures it (collective times per mesh axis and the device's
+achieved rates, measured on first use and cached in the plan cache folder); ``--cost-model
+cpu|a100|h100`` plans with that preset and the default links of ``MeshSpec`` instead. The
+latency and bandwidth each plan used are printed above the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import autoparallel  # noqa: E402  (before transformers' model classes: see README, torchvision)
+
+SEED = 0
+LR = 1e-4
+RECIPES = ("DDP", "FSDP2", "TP", "FSDP2+TP")
+AUTO = ("autoparallel", "autoparallel data")
+GPT2_TP_NA = ("HF GPT-2's c_attn, c_proj and c_fc are transformers Conv1D modules (weight stored in x out), "
+              "which ColwiseParallel/RowwiseParallel cannot shard (nn.Linear and nn.Embedding only), and c_attn "
+              "fuses q, k and v and splits them at a fixed split_size")
+
+
+# --------------------------------------------------------------------------- models
+
+def model_sizes(name: str, quick: bool) -> dict:
+    if quick:
+        common = dict(layers=2, hidden=64, vocab=256, batch=8, seq=32)
+    else:
+        common = dict(layers=4, hidden=256, vocab=2048, batch=8, seq=128)
+    if name == "gpt2":
+        return dict(common, heads=4)
+    if name == "llama":
+        return dict(common, heads=8, kv_heads=4, intermediate=176 if quick else 688)
+    raise ValueError(f"unknown model {name!r}; choose gpt2 or llama")
+
+
+def build_model(name: str, quick: bool):
+    """The model (seeded: the same weights on every rank and for every variant) and its sizes."""
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    s = model_sizes(name, quick)
+    if name == "gpt2":
+        cfg = T.GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], vocab_size=s["vocab"],
+                           n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           summary_first_dropout=0.0, use_cache=False)
+        cls = T.GPT2LMHeadModel
+    else:
+        cfg = T.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                            num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"],
+                            vocab_size=s["vocab"], max_position_embeddings=s["seq"], attention_dropout=0.0,
+                            use_cache=False)
+        cls = T.LlamaForCausalLM
+    torch.manual_seed(SEED)
+    model = cls(cfg)
+    model.train()
+    return model, s
+
+
+def blocks(model):
+    """The transformer blocks (what FSDP2 wraps one by one)."""
+    if hasattr(model, "transformer"):
+        return list(model.transformer.h)
+    return list(model.model.layers)
+
+
+def global_batch(s: dict, device) -> dict:
+    g = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}  # HF shifts the labels itself
+
+
+def rows_of(batch: dict, index: int, parts: int) -> dict:
+    n = batch["input_ids"].shape[0] // parts
+    return {k: v[index * n:(index + 1) * n] for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------- variants
+
+class Variant:
+    """One way to train the model: module, optimizer, the batch this rank passes."""
+
+    def __init__(self, name, mesh, configs, module=None, batch=None, kind="recipe", na=None, mean_loss=False):
+        self.name, self.mesh, self.configs, self.kind, self.na = name, mesh, configs, kind, na
+        self.module, self.batch, self.mean_loss = module, batch, mean_loss
+        self.optimizer = None
+        self.estimate = None          # autoparallel: plan.estimate["step_time_s"]
+        self.est_parts = {}           # autoparallel: compute_s, comm_s, peak_memory_bytes of the estimate
+        self.plan_s = None
+        self.step_s, self.fb_s = [], []
+        self.peak_bytes = None
+        self.loss0 = None
+        self.error = None
+
+    def make_optimizer(self):
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=LR)
+
+    def step(self, sync) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = self.module(**self.batch).loss
+        loss.backward()
+        sync()
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        t2 = time.perf_counter()
+        if self.loss0 is None:
+            self.loss0 = float(loss.detach().float().item())
+        return t2 - t0, t1 - t0
+
+
+def tp_plan(model):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i, _ in enumerate(blocks(model)):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[p + name] = RowwiseParallel()
+    return plan
+
+
+def tp_na_reason(name: str, s: dict, tp: int) -> str | None:
+    if name == "gpt2":
+        return GPT2_TP_NA
+    for what in ("heads", "kv_heads", "intermediate"):
+        if s[what] % tp:
+            return f"{what} {s[what]} is not divisible by the TP degree {tp}"
+    return None
+
+
+def build_variants(args, model_name, model, s, batch, device_type, rank, world):
+    """Every variant of this world size, built one at a time as the caller asks for the next
+    (a generator, so that each is measured right after it is built); the model's own weights are
+    copied, never trained."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = batch["input_ids"].device
+    if world == 1:
+        yield Variant("eager", "(1,)", ["(1,)"], copy.deepcopy(model).to(dev), batch, kind="eager")
+        meshes = [(1,)]
+    elif world == 2:
+        meshes = [(2,)]
+    else:
+        meshes = [(world,), (2, world // 2)]
+    labels = {m: str(m).replace(" ", "") for m in meshes}
+    flat = [labels[m] for m in meshes]
+    device_meshes = {m: init_device_mesh(device_type, m, mesh_dim_names=("dp", "tp")[:len(m)]) for m in meshes}
+
+    # autoparallel: every rank passes the global batch
+    for m in meshes:
+        for name, parallelism in (("autoparallel", "auto"), ("autoparallel data", "data")):
+            if world == 1 and parallelism == "data":
+                continue
+            v = Variant(name, labels[m], [labels[m]], batch=batch, kind="autoparallel")
+            meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in batch.items()}
+            kwargs = {}
+            if args.cost_model != "default":
+                kwargs["cost_model"] = autoparallel.CostModel(args.cost_model)
+            if args.no_cache:
+                kwargs["cache_dir"] = False
+            t0 = time.perf_counter()
+            try:
+                v.module = autoparallel.autoparallelize(copy.deepcopy(model).to(dev), meta,
+                                                        device_mesh=device_meshes[m], parallelism=parallelism,
+                                                        **kwargs)
+            except Exception as e:  # noqa: BLE001  (reported in the table, the other rows still run)
+                v.na = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            v.plan_s = time.perf_counter() - t0
+            if v.module is not None:
+                est = v.module.plan.estimate
+                v.estimate = float(est["step_time_s"])
+                v.est_parts = {k: est.get(k) for k in ("compute_s", "comm_s", "peak_memory_bytes")}
+                v.est_parts["forward_collectives"] = len(v.module.plan.collectives)
+                v.est_parts["mesh_spec"] = v.module.plan.mesh.to_json()
+            yield v
+    if world == 1:
+        return
+
+    # data parallel recipes over all ranks: each rank its share of the global batch
+    local = rows_of(batch, rank, world)
+    ddp = DDP(copy.deepcopy(model).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None,
+              gradient_as_bucket_view=True)
+    yield Variant("DDP", f"({world},)", flat, ddp, local, mean_loss=True)
+    del ddp
+    fsdp = copy.deepcopy(model).to(dev)
+    flat_mesh = device_meshes[(world,)]
+    for block in blocks(fsdp):
+        fully_shard(block, mesh=flat_mesh)
+    fully_shard(fsdp, mesh=flat_mesh)
+    yield Variant("FSDP2", f"({world},)", flat, fsdp, local, mean_loss=True)
+    del fsdp
+
+    # Megatron TP over all ranks (every rank the global batch)
+    reason = tp_na_reason(model_name, s, world)
+    if reason:
+        yield Variant("TP", f"({world},)", [labels[(world,)]], na=reason)
+    else:
+        tp = parallelize_module(copy.deepcopy(model).to(dev), device_meshes[(world,)], tp_plan(model))
+        yield Variant("TP", f"({world},)", [labels[(world,)]], tp, batch)
+        del tp
+
+    # FSDP2 + TP on the 2-D mesh: TP over "tp", fully_shard over "dp"
+    if len(meshes) > 1:
+        m2 = meshes[1]
+        reason = tp_na_reason(model_name, s, m2[1])
+        if reason:
+            yield Variant("FSDP2+TP", labels[m2], [labels[m2]], na=reason)
+        else:
+            mesh2 = device_meshes[m2]
+            both = parallelize_module(copy.deepcopy(model).to(dev), mesh2["tp"], tp_plan(model))
+            for block in blocks(both):
+                fully_shard(block, mesh=mesh2["dp"])
+            fully_shard(both, mesh=mesh2["dp"])
+            dp_index = mesh2.get_coordinate()[0]
+            yield Variant("FSDP2+TP", labels[m2], [labels[m2]], both, rows_of(batch, dp_index, m2[0]),
+                          mean_loss=True)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+# --------------------------------------------------------------------------- measuring
+
+def measure_peak_cpu(v: Variant) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(v.module, v.optimizer, *v.batch.values())
+    with tracker:
+        v.step(lambda: None)
+    snap = tracker.get_tracker_snapshot("peak")
+    return int(sum(d.get("Total", 0) for d in snap.values()))
+
+
+def run_worker(args) -> list[dict] | None:
+    """One torchrun job: every model of ``--models`` in turn on this world size; the results on
+    rank 0 (``None`` on the others)."""
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if device_type == "cuda" and torch.cuda.device_count() < local_world:
+        raise SystemExit(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs: NCCL needs one "
+                         "GPU per process; use fewer processes (--worlds) or --device cpu (gloo)")
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device_type == "cpu":
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    results = []
+    for name in args.models.split(","):
+        results.append(run_model(args, name, dev, rank, world))
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+    return results if rank == 0 else None
+
+
+def run_model(args, model_name, dev, rank, world) -> dict:
+    device_type, do_sync = dev.type, sync(dev)
+    model, s = build_model(model_name, args.quick)
+    batch = global_batch(s, dev)
+    with torch.no_grad():
+        ref_loss = float(copy.deepcopy(model).to(dev)(**batch).loss.item())
+
+    # build and warm up one variant after the other; peak memory is measured here: on CUDA from
+    # before the variant is built (the ones built earlier stay constant) through its warm-up steps,
+    # the peak counter reset after building (a full copy of the model may pass through the
+    # device while a variant is built, which is not a training step's memory)
+    variants, builder = [], build_variants(args, model_name, model, s, batch, device_type, rank, world)
+    while True:
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        v = next(builder, None)
+        if v is None:
+            break
+        variants.append(v)
+        if v.module is None:
+            continue
+        gc.collect()
+        v.make_optimizer()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.warmup):
+            v.step(do_sync)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+            v.peak_bytes = torch.cuda.max_memory_allocated() - before
+        else:
+            try:
+                v.peak_bytes = measure_peak_cpu(v)
+            except Exception as e:  # noqa: BLE001  (reported in the notes)
+                v.error = f"MemTracker: {type(e).__name__}: {e}"
+    live = [v for v in variants if v.module is not None]
+
+    # interleaved rounds
+    for r in range(args.rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for v in order:
+            dist.barrier()
+            do_sync()
+            steps, fbs = [], []
+            for _ in range(args.steps):
+                t, fb = v.step(do_sync)
+                steps.append(t)
+                fbs.append(fb)
+            v.step_s.append(statistics.fmean(steps))
+            v.fb_s.append(statistics.fmean(fbs))
+
+    # the slowest rank of every round, the largest peak, the mean step-0 loss where ranks hold shards
+    if live:
+        t = torch.tensor([[*v.step_s, *v.fb_s] for v in live], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peaks = torch.tensor([float(v.peak_bytes or 0) for v in live], dtype=torch.float64, device=dev)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        losses = torch.tensor([v.loss0 for v in live], dtype=torch.float64, device=dev)
+        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+        for i, v in enumerate(live):
+            row = t[i].tolist()
+            v.step_s, v.fb_s = row[:args.rounds], row[args.rounds:]
+            v.peak_bytes = int(peaks[i].item()) if v.peak_bytes is not None else None
+            if v.mean_loss:
+                v.loss0 = float(losses[i].item()) / world
+            # else every rank computed the loss of the global batch (checked equal below on rank 0)
+
+    result = {
+        "model": model_name, "world": world, "device": torch.cuda.get_device_name() if device_type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads per process)",
+        "backend": dist.get_backend(), "sizes": s, "ref_loss": ref_loss, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
+        "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if device_type == "cuda" else "MemTracker",
+        "cost_model": args.cost_model,
+        "variants": [{
+            "name": v.name, "mesh": v.mesh, "configs": v.configs, "kind": v.kind, "na": v.na,
+            "step_s": statistics.median(v.step_s) if v.step_s else None,
+            "fwd_bwd_s": statistics.median(v.fb_s) if v.fb_s else None,
+            "rounds_step_s": v.step_s, "estimate_s": v.estimate, "estimate_parts": v.est_parts,
+            "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error,
+        } for v in variants],
+    }
+    return result
+
+
+# --------------------------------------------------------------------------- the table
+
+def _fmt_s(x):
+    return "" if x is None else f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def table(results: list[dict]) -> str:
+    """One table over every job: a block of rows per model and mesh, targets under it."""
+    try:
+        from tabulate import tabulate
+    except ImportError:  # pragma: no cover (tabulate is a dependency of the project)
+        tabulate = None
+    hdr = ["model", "config", "variant", "mesh", "s/step (median)", "fwd+bwd", "estimate", "est/meas",
+           "peak MiB", "loss0", "vs DDP", "vs best recipe"]
+    rows, notes, checks = [], [], []
+    for res in results:
+        configs = []
+        for v in res["variants"]:
+            for c in v["configs"]:
+                if c not in configs:
+                    configs.append(c)
+        for c in configs:
+            vs = [v for v in res["variants"] if c in v["configs"]]
+            ddp = next((v["step_s"] for v in vs if v["name"] == "DDP" and v["step_s"]), None)
+            eager = next((v["step_s"] for v in vs if v["name"] == "eager" and v["step_s"]), None)
+            rec = [v for v in vs if v["name"] in RECIPES and v["step_s"]]
+            best = min(rec, key=lambda v: v["step_s"]) if rec else None
+            cfg = f"world {res['world']}, mesh {c}"
+            for v in vs:
+                if v["na"]:
+                    rows.append([res["model"], cfg, v["name"], v["mesh"], "n/a", "", "", "", "", "", "", ""])
+                    note = f"{res['model']} {v['name']}: n/a: {v['na']}"
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                t, fb, est = v["step_s"], v["fwd_bwd_s"], v["estimate_s"]
+                ok_loss = abs(v["loss0"] - res["ref_loss"]) <= 1e-4 * abs(res["ref_loss"]) + 1e-5
+                rows.append([
+                    res["model"], cfg, v["name"], v["mesh"], _fmt_s(t), _fmt_s(fb), _fmt_s(est),
+                    f"{est / fb:.2f}" if est and fb else "",
+                    f"{v['peak_bytes'] / 2**20:.1f}" if v["peak_bytes"] else "?",
+                    f"{v['loss0']:.4f}" + ("" if ok_loss else " (!)"),
+                    f"{t / ddp:.2f}x" if ddp else "",
+                    f"{t / best['step_s']:.2f}x" if best else (f"{t / eager:.2f}x eager" if eager else ""),
+                ])
+                if not ok_loss:
+                    notes.append(f"{res['model']} {v['name']} {v['mesh']}: step-0 loss {v['loss0']:.6f} differs from "
+                                 f"the eager model's {res['ref_loss']:.6f}")
+                if v["error"]:
+                    notes.append(f"{res['model']} {v['name']} {v['mesh']}: {v['error']}")
+                if est and fb:
+                    err = est / fb - 1
+                    checks.append(f"{res['model']} {cfg}: {v['name']} estimate {_fmt_s(est)} vs measured fwd+bwd "
+                                  f"{_fmt_s(fb)} ({100 * err:+.0f}%; target within 25%: "
+                                  f"{'OK' if abs(err) <= 0.25 else 'MISSED'})")
+            by = {v["name"]: v for v in vs if v["step_s"]}
+            if "autoparallel data" in by and ddp:
+                r = by["autoparallel data"]["step_s"] / ddp
+                checks.append(f"{res['model']} {cfg}: autoparallel data / DDP = {r:.2f}x "
+                              f"(target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'})")
+            if "autoparallel" in by and best:
+                r = by["autoparallel"]["step_s"] / best["step_s"]
+                checks.append(f"{res['model']} {cfg}: autoparallel / best recipe ({best['name']}) = {r:.2f}x "
+                              f"(target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'})")
+            if "autoparallel" in by and eager:
+                r = by["autoparallel"]["step_s"] / eager
+                checks.append(f"{res['model']} {cfg}: autoparallel / eager = {r:.2f}x "
+                              f"(target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'})")
+    if tabulate:
+        out = tabulate(rows, hdr, tablefmt="simple", disable_numparse=True)
+    else:  # pragma: no cover
+        out = "\n".join(" | ".join(map(str, r)) for r in [hdr] + rows)
+    r0 = results[0] if results else {}
+    links = []
+    for res in results:
+        for v in res["variants"]:
+            ms = (v.get("estimate_parts") or {}).get("mesh_spec")
+            if ms and ms["shape"] != [1]:
+                line = (f"mesh {tuple(ms['shape'])}: " + ", ".join(
+                    f"{n} {a * 1e6:.0f} us + {1e-9 / b:.2f} GB/s" for n, a, b in zip(ms["axis_names"], ms["alpha"],
+                                                                                  ms["beta"])))
+                if line not in links:
+                    links.append(line)
+    head = "\n".join([
+        f"device: {', '.join(sorted({str(r.get('device')) for r in results}))}; backend "
+        f"{', '.join(sorted({str(r.get('backend')) for r in results}))}",
+        f"s/step: median over {r0.get('rounds')} interleaved rounds of the slowest rank's mean over {r0.get('steps')} "
+        f"steps, after {r0.get('warmup')} warm-up steps; a step is forward, backward, AdamW step, zero_grad; "
+        f"fwd+bwd is its first part",
+        "estimate: plan.estimate['step_time_s'] (forward + backward), est/meas = estimate / measured fwd+bwd; "
+        f"cost model: {r0.get('cost_model')}" + (f"; links as planned: {'; '.join(links)}" if links else ""),
+        f"peak MiB: per device, largest rank, {r0.get('memory')}; loss0: the step-0 loss of the global batch "
+        "(must equal the eager model's)",
+        "vs DDP / vs best recipe: s/step over DDP's / over the fastest of DDP, FSDP2, TP and FSDP2+TP in the same "
+        "configuration"])
+    parts = [head, out]
+    if checks:
+        parts.append("targets:\n" + "\n".join("  " + c for c in checks))
+    if notes:
+        parts.append("notes:\n" + "\n".join("  " + n for n in notes))
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- driver
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2 and/or llama")
+    ap.add_argument("--worlds", default="1,2,4", help="driver: comma-separated world sizes (1, 2, 4)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke run)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 2)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 3, quick 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 3, quick 2)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads per process (default cores / world)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu"], help="cpu forces gloo on CPU")
+    ap.add_argument("--cost-model", default="default", choices=["default", "cpu", "a100", "h100"],
+                    help="default: autoparallelize's own (the mesh as profile_mesh measures it); else a preset")
+    ap.add_argument("--no-cache", action="store_true", help="plan with cache_dir=False")
+    ap.add_argument("--json", default=None, help="write the results (a list of jobs) to this file")
+    ap.add_argument("--timeout", type=float, default=3600, help="driver: seconds per torchrun job")
+    args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 7
+    if args.steps is None:
+        args.steps = 1 if args.quick else 3
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 3
+    args.warmup = max(args.warmup, 2)  # the CPU peak is taken on a step after optimizer states exist
+    return args
+
+
+def _passthrough(args) -> list[str]:
+    out = ["--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--device", args.device, "--cost-model", args.cost_model]
+    if args.quick:
+        out.append("--quick")
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    if args.no_cache:
+        out.append("--no-cache")
+    return out
+
+
+def drive(args) -> int:
+    """One torchrun job per world size (every model inside it), then one table."""
+    results, failed = [], []
+    for world in (int(w) for w in args.worlds.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                   os.path.abspath(__file__), "--json", out, *_passthrough(args)]
+            print(f"[{time.strftime('%H:%M:%S')}] world {world}: torchrun {' '.join(cmd[3:])}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      timeout=args.timeout)
+                output, code = proc.stdout, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                output, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+                    else (e.stdout or ""), f"timed out after {args.timeout:.0f} s"
+            if code != 0 or not os.path.exists(out):
+                print(output[-4000:], flush=True)
+                failed.append(f"world {world} (exit {code})")
+                continue
+            with open(out) as f:
+                results.extend(json.load(f))
+            print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+    order = args.models.split(",")
+    results.sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order), r["world"]))
+    print()
+    print(table(results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if failed:
+        print("\nFAILED jobs: " + ", ".join(failed), flush=True)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: this world size
+        res = run_worker(args)
+        if res is not None:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            else:
+                print(table(res), flush=True)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
