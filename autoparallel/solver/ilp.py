@@ -96,136 +96,13 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
             whose every conversion is impossible), naming the nodes involved.
     """
     t0 = time.perf_counter()
-    n = len(problem.node_costs)
-    for v, costs in enumerate(problem.node_costs):
-        if not costs:
-            raise InfeasiblePlanError(f"node {problem.names[v] if problem.names else v} has no strategy")
-    lin = [list(c) for c in problem.node_costs]  # node costs plus folded edge costs
-    blocked: dict[int, list[int]] = {}  # node -> neighbours whose folded edge is impossible somewhere
-    pair_edges = []
-    for e in problem.edges:
-        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
-        if ni == 1:
-            for s, o in enumerate(e.u_class):
-                lin[e.u][s] += e.cost[o][0]
-            if any(math.isinf(e.cost[o][0]) for o in e.u_class):
-                blocked.setdefault(e.u, []).append(e.v)
-            continue
-        if no == 1:
-            for s, i in enumerate(e.v_class):
-                lin[e.v][s] += e.cost[0][i]
-            if any(math.isinf(e.cost[0][i]) for i in e.v_class):
-                blocked.setdefault(e.v, []).append(e.u)
-            continue
-        pair_edges.append(e)
-    # strategies with infinite cost are impossible
-    name = (lambda v: problem.names[v]) if problem.names else str
-    for v in range(n):
-        if all(math.isinf(c) for c in lin[v]):
-            others = ", ".join(name(u) for u in blocked.get(v, []))
-            raise InfeasiblePlanError(
-                f"every strategy of node {name(v)} needs an impossible layout conversion "
-                f"(to or from: {others or 'unknown'})")
-    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
-    x: list[dict[int, object]] = []
-    objective: list[tuple] = []
-    xvars = []
-    for v in range(n):
-        costs = lin[v]
-        if len(costs) == 1:
-            x.append({0: 1})
-            continue
-        xs = {}
-        for s, c in enumerate(costs):
-            if not math.isinf(c):
-                xs[s] = pulp.LpVariable(f"x{v}_{s}", lowBound=0, upBound=1)
-                xvars.append(xs[s])
-                objective.append((xs[s], c * _SCALE))
-        prob += pulp.LpConstraint(pulp.LpAffineExpression([(xv, 1) for xv in xs.values()]), 0, f"onehot{v}", 1)
-        x.append(xs)
-
-    def marginal(y_terms, v, classes, cls):
-        terms = [(yv, 1) for yv in y_terms]
-        const = 0
-        for s, c in enumerate(classes):
-            if c == cls and s in x[v]:
-                xv = x[v][s]
-                if isinstance(xv, int):
-                    const += xv
-                else:
-                    terms.append((xv, -1))
-        return pulp.LpConstraint(pulp.LpAffineExpression(terms), 0, None, const)
-
-    n_cont = 0
-    for k, e in enumerate(pair_edges):
-        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
-        y = {}
-        for o in range(no):
-            for i in range(ni):
-                c = e.cost[o][i]
-                if not math.isinf(c):
-                    y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
-                    n_cont += 1
-                    if c:
-                        objective.append((y[o, i], c * _SCALE))
-        for o in range(no):
-            prob += marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
-        for i in range(ni):
-            prob += marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
-    if problem.minimize_memory:
-        peak = pulp.LpVariable("peak_mib", lowBound=0)
-        objective = [(peak, 1.0)]
-    for r, row in enumerate(problem.memory_rows):
-        terms, const = [], 0.0
-        for v, sizes in enumerate(row):
-            for s_, b in enumerate(sizes):
-                if not b or s_ not in x[v]:
-                    continue
-                if isinstance(x[v][s_], int):
-                    const += b / _MIB
-                else:
-                    terms.append((x[v][s_], b / _MIB))
-        if problem.minimize_memory:
-            terms.append((peak, -1.0))
-            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}", -const)
-        elif problem.memory_limit is not None:
-            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}",
-                                      problem.memory_limit / _MIB - const)
-    prob.setObjective(pulp.LpAffineExpression(objective))
+    lin, pair_edges = _fold_edges(problem)
+    lp = _Program(problem, lin, pair_edges)
     t_build = time.perf_counter() - t0
-    # The LP relaxation is often integral (every x one-hot): then it is the ILP optimum.
-    status = prob.solve(_make_solver(solver, time_limit))
-    lp_ok = pulp.LpStatus[status] == "Optimal"
-    lp_bound = (pulp.value(prob.objective) or 0.0) / _SCALE if lp_ok else None
-    integral = lp_ok and all(min(abs(xv.varValue or 0.0), abs(1 - (xv.varValue or 0.0))) < 1e-6 for xv in xvars)
-    used = f"{solver} (LP relaxation, integral)"
-    optimal = integral
-    if not integral:
-        for xv in xvars:
-            xv.cat = pulp.LpInteger
-        remaining = max(1.0, time_limit - (time.perf_counter() - t0 - t_build))
-        status = prob.solve(_make_solver(solver, remaining))
-        used = solver
-        optimal = getattr(prob, "sol_status", pulp.LpSolutionOptimal) == pulp.LpSolutionOptimal
-    n_bin = len(xvars)
+    used, optimal, lp_bound = lp.run(solver, time_limit, t0 + t_build)
     t_solve = time.perf_counter() - t0 - t_build
-    status_name = pulp.LpStatus[status]
-    if status_name in ("Infeasible", "Unbounded") or any(xv.varValue is None for xv in xvars):
-        if t_solve >= time_limit:
-            raise InfeasiblePlanError(f"the sharding ILP found no plan within time_limit={time_limit} s; "
-                                      "pass a larger time_limit")
-        raise InfeasiblePlanError(
-            f"the sharding ILP is {status_name.lower()}: no combination of strategies connects every "
-            "producer to its consumers. Check for ops whose rules allow no common layout; run with "
-            "strict=False or a smaller mesh")
-    choice = []
-    for v in range(n):
-        if len(lin[v]) == 1:
-            choice.append(0)
-            continue
-        vals = {s: (xv.varValue or 0.0) for s, xv in x[v].items()}
-        choice.append(max(vals, key=lambda s: (vals[s], -s)))
-    obj = sum(lin[v][choice[v]] for v in range(n))
+    choice = lp.choice(t_solve >= time_limit, time_limit)
+    obj = sum(lin[v][c] for v, c in enumerate(choice))
     for e in pair_edges:
         obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
     gap = 0.0 if optimal or lp_bound is None or obj <= 0 else max(0.0, (obj - lp_bound) / obj)
@@ -233,6 +110,180 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
         log.warning("the sharding ILP stopped at its time limit (%.0f s): using the best plan found, within "
                     "%.2f%% of the LP lower bound; pass a larger time_limit for the optimum", time_limit, 100 * gap)
     stats = {"solver": used, "status": "Optimal" if optimal else "Time limit (best found)",
-             "gap": gap, "lp_bound_s": lp_bound, "binary_vars": n_bin, "edge_vars": n_cont,
-             "constraints": len(prob.constraints), "build_s": t_build, "solve_s": t_solve, "objective_s": obj}
+             "gap": gap, "lp_bound_s": lp_bound, "binary_vars": len(lp.xvars), "edge_vars": lp.n_cont,
+             "constraints": len(lp.prob.constraints), "build_s": t_build, "solve_s": t_solve, "objective_s": obj}
     return ILPSolution(choice, obj, stats)
+
+
+def _fold_edges(problem: ILPProblem) -> tuple[list[list[float]], list[ILPEdge]]:
+    """Node costs with every edge that has one spec class on a side folded in, and the
+    edges left (both sides vary).
+
+    Raises:
+        InfeasiblePlanError: a node without strategies, or one whose every strategy needs
+            an impossible conversion.
+    """
+    name = (lambda v: problem.names[v]) if problem.names else str
+    for v, costs in enumerate(problem.node_costs):
+        if not costs:
+            raise InfeasiblePlanError(f"node {name(v)} has no strategy")
+    lin = [list(c) for c in problem.node_costs]  # node costs plus folded edge costs
+    blocked: dict[int, list[int]] = {}  # node -> neighbours whose folded edge is impossible somewhere
+    pair_edges = []
+    for e in problem.edges:
+        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
+        if ni == 1 or no == 1:
+            v, other, classes = (e.u, e.v, e.u_class) if ni == 1 else (e.v, e.u, e.v_class)
+            cost = (lambda c: e.cost[c][0]) if ni == 1 else (lambda c: e.cost[0][c])
+            for s, c in enumerate(classes):
+                lin[v][s] += cost(c)
+            if any(math.isinf(cost(c)) for c in classes):
+                blocked.setdefault(v, []).append(other)
+            continue
+        pair_edges.append(e)
+    for v in range(len(lin)):  # strategies with infinite cost are impossible
+        if all(math.isinf(c) for c in lin[v]):
+            others = ", ".join(name(u) for u in blocked.get(v, []))
+            raise InfeasiblePlanError(
+                f"every strategy of node {name(v)} needs an impossible layout conversion "
+                f"(to or from: {others or 'unknown'})")
+    return lin, pair_edges
+
+
+class _Program:
+    """The pulp model of one :func:`solve`: a variable per strategy of every node with a
+    choice, one per pair of spec classes of every edge left, memory rows, the objective.
+
+    Attributes:
+        x: per node, strategy index → its variable (the constant 1 for single-strategy nodes).
+        xvars: the node variables, binary once the LP relaxation is not integral.
+        n_cont: the number of edge variables.
+    """
+
+    def __init__(self, problem: ILPProblem, lin: list[list[float]], pair_edges: list[ILPEdge]):
+        self.prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+        self.x: list[dict[int, object]] = []
+        self.xvars: list = []
+        self.n_cont = 0
+        objective = self._node_variables(lin)
+        for k, e in enumerate(pair_edges):
+            objective += self._edge(k, e)
+        if problem.minimize_memory:
+            peak = pulp.LpVariable("peak_mib", lowBound=0)
+            objective = [(peak, 1.0)]
+        else:
+            peak = None
+        for r, row in enumerate(problem.memory_rows):
+            self._memory_row(r, row, problem.memory_limit, peak)
+        self.prob.setObjective(pulp.LpAffineExpression(objective))
+
+    def _node_variables(self, lin: list[list[float]]) -> list[tuple]:
+        """One-hot variables of every node with a choice; their objective terms."""
+        objective = []
+        for v, costs in enumerate(lin):
+            if len(costs) == 1:
+                self.x.append({0: 1})
+                continue
+            xs = {}
+            for s, c in enumerate(costs):
+                if not math.isinf(c):
+                    xs[s] = pulp.LpVariable(f"x{v}_{s}", lowBound=0, upBound=1)
+                    self.xvars.append(xs[s])
+                    objective.append((xs[s], c * _SCALE))
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression([(xv, 1) for xv in xs.values()]), 0,
+                                           f"onehot{v}", 1)
+            self.x.append(xs)
+        return objective
+
+    def _marginal(self, y_terms, v: int, classes: list[int], cls: int):
+        """``Σ y = Σ_{s in class cls} x_v[s]``: the edge variables of one class of node ``v``."""
+        terms = [(yv, 1) for yv in y_terms]
+        const = 0
+        for s, c in enumerate(classes):
+            if c == cls and s in self.x[v]:
+                xv = self.x[v][s]
+                if isinstance(xv, int):
+                    const += xv
+                else:
+                    terms.append((xv, -1))
+        return pulp.LpConstraint(pulp.LpAffineExpression(terms), 0, None, const)
+
+    def _edge(self, k: int, e: ILPEdge) -> list[tuple]:
+        """Variables ``y[o, i]`` of edge ``k`` (possible class pairs only), their marginal
+        constraints; their objective terms."""
+        no, ni = max(e.u_class) + 1, max(e.v_class) + 1
+        y, objective = {}, []
+        for o in range(no):
+            for i in range(ni):
+                c = e.cost[o][i]
+                if not math.isinf(c):
+                    y[o, i] = pulp.LpVariable(f"y{k}_{o}_{i}", lowBound=0, upBound=1)
+                    self.n_cont += 1
+                    if c:
+                        objective.append((y[o, i], c * _SCALE))
+        for o in range(no):
+            self.prob += self._marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
+        for i in range(ni):
+            self.prob += self._marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
+        return objective
+
+    def _memory_row(self, r: int, row: list[list[float]], limit: float | None, peak) -> None:
+        """Row ``r``'s bytes (in MiB) at most ``limit``, or at most ``peak`` when minimizing it."""
+        terms, const = [], 0.0
+        for v, sizes in enumerate(row):
+            for s, b in enumerate(sizes):
+                if not b or s not in self.x[v]:
+                    continue
+                if isinstance(self.x[v][s], int):
+                    const += b / _MIB
+                else:
+                    terms.append((self.x[v][s], b / _MIB))
+        if peak is not None:
+            terms.append((peak, -1.0))
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}", -const)
+        elif limit is not None:
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}",
+                                           limit / _MIB - const)
+
+    def run(self, solver: str, time_limit: float, built_at: float) -> tuple[str, bool, float | None]:
+        """Solve the LP relaxation, then, unless it is integral (every ``x`` one-hot: then it
+        is the ILP optimum), the integer problem in the time left.
+
+        Returns:
+            ``(solver used, optimal, LP lower bound in seconds or None)``.
+        """
+        self.status = self.prob.solve(_make_solver(solver, time_limit))
+        lp_ok = pulp.LpStatus[self.status] == "Optimal"
+        lp_bound = (pulp.value(self.prob.objective) or 0.0) / _SCALE if lp_ok else None
+        if lp_ok and all(min(abs(xv.varValue or 0.0), abs(1 - (xv.varValue or 0.0))) < 1e-6 for xv in self.xvars):
+            return f"{solver} (LP relaxation, integral)", True, lp_bound
+        for xv in self.xvars:
+            xv.cat = pulp.LpInteger
+        remaining = max(1.0, time_limit - (time.perf_counter() - built_at))
+        self.status = self.prob.solve(_make_solver(solver, remaining))
+        optimal = getattr(self.prob, "sol_status", pulp.LpSolutionOptimal) == pulp.LpSolutionOptimal
+        return solver, optimal, lp_bound
+
+    def choice(self, out_of_time: bool, time_limit: float) -> list[int]:
+        """The chosen strategy of every node, after :meth:`run`.
+
+        Raises:
+            InfeasiblePlanError: the solver found no solution (infeasible, or out of time).
+        """
+        status_name = pulp.LpStatus[self.status]
+        if status_name in ("Infeasible", "Unbounded") or any(xv.varValue is None for xv in self.xvars):
+            if out_of_time:
+                raise InfeasiblePlanError(f"the sharding ILP found no plan within time_limit={time_limit} s; "
+                                          "pass a larger time_limit")
+            raise InfeasiblePlanError(
+                f"the sharding ILP is {status_name.lower()}: no combination of strategies connects every "
+                "producer to its consumers. Check for ops whose rules allow no common layout; run with "
+                "strict=False or a smaller mesh")
+        choice = []
+        for xs in self.x:
+            if len(xs) == 1 and isinstance(xs.get(0), int):
+                choice.append(0)
+                continue
+            vals = {s: (xv.varValue or 0.0) for s, xv in xs.items()}
+            choice.append(max(vals, key=lambda s: (vals[s], -s)))
+        return choice

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -36,6 +38,35 @@ def op_name(node: fx.Node) -> str:
     if node.op in ("placeholder", "get_attr"):
         return node.op
     return getattr(node.target, "__name__", str(node.target))
+
+
+@dataclass
+class GroupedProblem:
+    """The sharding ILP of a graph over groups of nodes, and what maps its solution back.
+
+    Attributes:
+        ilp: one variable vector per group (a follower group whose layer template is
+            itself) plus a last one for the graph output.
+        root: node → the root of its follower group (:meth:`Planner._follow`).
+        fmap: node → per strategy of its group, the node's strategy index.
+        template: node → the node whose variables it shares (itself when unshared).
+        group: group root → its index in ``ilp.node_costs``.
+        edges: every edge of the graph: ``(consumer or None for the output, input
+            position, (producer, output index), requires_grad)``.
+        stats: ``groups``, ``ilp_groups`` and ``shared_nodes``, for ``Plan.solver_stats``.
+    """
+
+    ilp: ILPProblem
+    root: dict[fx.Node, fx.Node]
+    fmap: dict[fx.Node, list[int]]
+    template: dict[fx.Node, fx.Node]
+    group: dict[fx.Node, int]
+    edges: list[tuple]
+    stats: dict[str, int]
+
+    def group_of(self, node: fx.Node) -> int:
+        """The ILP group index of ``node``."""
+        return self.group[self.template[self.root[node]]]
 
 
 class Planner:
@@ -175,39 +206,52 @@ class Planner:
                 tmpl[n] = n
         return tmpl
 
-    def build_problem(self):
+    def build_problem(self) -> GroupedProblem:
         """The ILP over shared groups, plus what :meth:`solve` needs to map the solution back."""
         root, fmap = self._follow()
         tmpl = self._shared(root, fmap)
         croots = [n for n in self.nodes if root[n] is n and tmpl[n] is n]
         gidx = {n: i for i, n in enumerate(croots)}
+        built = GroupedProblem(ILPProblem([], [], [r.name for r in croots] + ["output"]), root, fmap, tmpl, gidx,
+                               list(self._edges()), {})
+        built.ilp.node_costs = self._group_costs(built, croots) + [[0.0]]  # the last group: the graph output
+        self._add_edges(built)
+        built.stats = {"groups": sum(1 for n in self.nodes if root[n] is n), "ilp_groups": len(croots),
+                       "shared_nodes": sum(1 for n in self.nodes if tmpl[n] is not n)}
+        return built
+
+    def _group_costs(self, built: GroupedProblem, croots: list[fx.Node]) -> list[list[float]]:
+        """Seconds of every ILP group per group strategy: its nodes' compute and own
+        communication, each shared node counted once per layer that shares it."""
         gcost = [[0.0] * len(self.strategies[r]) for r in croots]
         node_costs: dict[fx.Node, list[float]] = {}
         for node in self.nodes:
-            t = tmpl[node]
+            t = built.template[node]
             if t not in node_costs:
                 node_costs[t] = [sum(self.node_cost(t, s)[:2]) for s in self.strategies[t]]
-            g = gidx[root[t]]
-            for i, k in enumerate(fmap[t]):
+            g = built.group[built.root[t]]
+            for i, k in enumerate(built.fmap[t]):
                 gcost[g][i] += node_costs[t][k]
-        out_g = len(croots)
-        gcost.append([0.0])
+        return gcost
+
+    def _add_edges(self, built: GroupedProblem) -> None:
+        """Resharding seconds of every edge: edges inside one group add to its node costs,
+        the others become ILP edges between spec classes; edges of shared layers are
+        priced once and counted once per layer."""
+        tmpl, fmap, ilp = built.template, built.fmap, built.ilp
+        out_g = len(ilp.node_costs) - 1
         repl = (R,) * self.mesh.ndim
-        meta, acc = [], {}
-        for consumer, j, (u, idx), rg in self._edges():
-            meta.append((consumer, j, (u, idx), rg))
+        acc = {}
+        for consumer, j, (u, idx), rg in built.edges:
             tc, tu = (tmpl[consumer] if consumer is not None else None), tmpl[u]
             key = (tc, j, tu, idx)
             if key in acc:
                 acc[key][1] += 1
                 continue
             src_specs = [self.strategies[tu][k].outputs[idx] for k in fmap[tu]]
-            if tc is None:
-                dst_specs = [repl]
-            else:
-                dst_specs = [self.strategies[tc][k].inputs[j] for k in fmap[tc]]
-            gu = gidx[root[tu]]
-            gv = out_g if tc is None else gidx[root[tc]]
+            dst_specs = [repl] if tc is None else [self.strategies[tc][k].inputs[j] for k in fmap[tc]]
+            gu = built.group[built.root[tu]]
+            gv = out_g if tc is None else built.group[built.root[tc]]
             if gu == gv:  # inside one group: a cost per strategy of the group
                 vec = [self._edge_cost(key, (tu, idx), rg, a, b) for a, b in zip(src_specs, dst_specs)]
                 acc[key] = [("internal", gu, vec), 1]
@@ -216,20 +260,14 @@ class Planner:
             i_cls, i_list = _classes(dst_specs)
             cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
             acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
-        edges = []
         for item, mult in acc.values():
             if item[0] == "internal":
                 for i, c in enumerate(item[2]):
-                    gcost[item[1]][i] += c * mult
+                    ilp.node_costs[item[1]][i] += c * mult
             else:
                 e = item[1]
                 e.cost = [[c * mult for c in row] for row in e.cost]
-                edges.append(e)
-        names = [r.name for r in croots] + ["output"]
-        shared = sum(1 for n in self.nodes if tmpl[n] is not n)
-        info = {"groups": sum(1 for n in self.nodes if root[n] is n), "ilp_groups": len(croots),
-                "shared_nodes": shared}
-        return ILPProblem(gcost, edges, names), root, fmap, tmpl, gidx, meta, info
+                ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
               checkpointing: bool = True, max_rounds: int = 10) -> Plan:
@@ -247,56 +285,58 @@ class Planner:
                 smallest peak the planner can reach.
         """
         t0 = time.perf_counter()
-        problem, root, fmap, tmpl, gidx, meta, info = self.build_problem()
+        built = self.build_problem()
         t_costs = time.perf_counter() - t0
-
-        def decode(sol):
-            return {n: self.strategies[n][fmap[n][sol.choice[gidx[tmpl[root[n]]]]]] for n in self.nodes}
-
-        def stage1(budget):
-            """(choice, solution, rounds) of the fastest plan within ``budget``, or None."""
-            problem.memory_limit = budget
-            rows_at: list[int] = []
-            for rounds in range(1, max_rounds + 1):
-                try:
-                    sol = solve(problem, solver=solver, time_limit=time_limit)
-                except InfeasiblePlanError:
-                    if not problem.memory_rows:
-                        raise
-                    return None
-                choice = decode(sol)
-                if budget is None or self.memory is None:
-                    return choice, sol, rounds
-                est = self.memory.estimate(choice)
-                if est.peak_bytes <= budget:
-                    return choice, sol, rounds
-                if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
-                    return None
-                rows_at.append(est.peak_step)
-                problem.memory_rows.append(self._memory_row(est.peak_step, root, fmap, tmpl, gidx,
-                                                            len(problem.node_costs)))
-            return None
-
+        stage1 = functools.partial(self._stage1, built, solver=solver, time_limit=time_limit, max_rounds=max_rounds)
         found = stage1(memory_budget)
         checkpoint = plan = None
         if found is None:
             stages = chain_stages(self.memory.nodes) if checkpointing else {}
             if not stages:
-                raise InfeasiblePlanError(self._budget_message(problem, decode, memory_budget, solver, time_limit))
-            found, plan, checkpoint = self._two_stage(stage1, meta, stages, memory_budget, problem, decode,
-                                                      solver, time_limit)
+                raise InfeasiblePlanError(self._budget_message(built, memory_budget, solver, time_limit))
+            found, plan, checkpoint = self._two_stage(stage1, built, stages, memory_budget)
         choice, sol, rounds = found
-        plan = plan or self.make_plan(choice, meta)
+        plan = plan or self.make_plan(choice, built.edges)
         if checkpoint is not None:
             plan.checkpoint, peak = checkpoint
             plan.estimate["step_time_s"] += plan.checkpoint.recompute_s
             plan.estimate["peak_memory_bytes"] = plan.estimate["memory"]["checkpointed_peak_bytes"] = peak
-        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(problem.edges),
+        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
-                                 memory_rows=len(problem.memory_rows), memory_rounds=rounds, **info)
+                                 memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats)
         return plan
 
-    def _two_stage(self, stage1, meta, stages, budget, problem, decode, solver, time_limit):
+    def _decode(self, built: GroupedProblem, sol) -> dict[fx.Node, Strategy]:
+        """Node → strategy of an ILP solution."""
+        return {n: self.strategies[n][built.fmap[n][sol.choice[built.group_of(n)]]] for n in self.nodes}
+
+    def _stage1(self, built: GroupedProblem, budget: int | None, *, solver: str, time_limit: float,
+                max_rounds: int):
+        """``(choice, solution, rounds)`` of the fastest plan within ``budget`` bytes, or
+        ``None`` when there is none or the memory rows added cannot find it (see :meth:`solve`)."""
+        problem = built.ilp
+        problem.memory_limit = budget
+        rows_at: list[int] = []
+        for rounds in range(1, max_rounds + 1):
+            try:
+                sol = solve(problem, solver=solver, time_limit=time_limit)
+            except InfeasiblePlanError:
+                if not problem.memory_rows:
+                    raise
+                return None
+            choice = self._decode(built, sol)
+            if budget is None or self.memory is None:
+                return choice, sol, rounds
+            est = self.memory.estimate(choice)
+            if est.peak_bytes <= budget:
+                return choice, sol, rounds
+            if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
+                return None
+            rows_at.append(est.peak_step)
+            problem.memory_rows.append(self._memory_row(est.peak_step, built))
+        return None
+
+    def _two_stage(self, stage1, built: GroupedProblem, stages, budget):
         """Stage 2: Rotor on stage-1 plans of decreasing allowance (the fastest plan, then
         budgets at 3/4, 1/2 and 1/4 of the way from its peak down to ``budget``); the first
         whose recomputation schedule fits wins.
@@ -304,7 +344,7 @@ class Planner:
         Returns:
             ``((choice, solution, rounds), plan, (plan.checkpoint, modelled peak bytes))``.
         """
-        problem.memory_rows.clear()
+        built.ilp.memory_rows.clear()
         free = stage1(None)
         top = self.memory.estimate(free[0]).peak_bytes
         reachable = []
@@ -313,7 +353,7 @@ class Planner:
             if found is None:
                 break
             choice = found[0]
-            plan = self.make_plan(choice, meta)
+            plan = self.make_plan(choice, built.edges)
             fwd = {n.name: self.node_cost(n, choice[n], backward=False)[0] for n in stages if n in choice}
             chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
             try:
@@ -330,23 +370,24 @@ class Planner:
             f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, "
             "use more devices or a smaller batch")
 
-    def _memory_row(self, t, root, fmap, tmpl, gidx, n_groups) -> list[list[float]]:
+    def _memory_row(self, t: int, built: GroupedProblem) -> list[list[float]]:
         """Bytes held at step ``t``, per ILP group and group strategy."""
-        row: list[list[float]] = [[] for _ in range(n_groups)]
+        row: list[list[float]] = [[] for _ in range(len(built.ilp.node_costs))]
         for owner, size in self.memory.row(t):
-            g = gidx[tmpl[root[owner]]]
+            g = built.group_of(owner)
             if not row[g]:
-                row[g] = [0.0] * len(fmap[owner])
-            for k, si in enumerate(fmap[owner]):
+                row[g] = [0.0] * len(built.fmap[owner])
+            for k, si in enumerate(built.fmap[owner]):
                 row[g][k] += size(self.strategies[owner][si])
         return row
 
-    def _budget_message(self, problem, decode, budget, solver, time_limit) -> str:
+    def _budget_message(self, built: GroupedProblem, budget, solver, time_limit) -> str:
         """Why ``budget`` cannot be met, with the smallest reachable peak (a min-peak solve)."""
+        problem = built.ilp
         problem.minimize_memory = True
         try:
             sol = solve(problem, solver=solver, time_limit=min(time_limit, 10.0))
-            best = self.memory.estimate(decode(sol)).peak_bytes
+            best = self.memory.estimate(self._decode(built, sol)).peak_bytes
         finally:
             problem.minimize_memory = False
         return (f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device: the smallest peak the planner "
