@@ -86,75 +86,110 @@ def functionalize_state(graph: fx.Graph, state: dict[fx.Node, tuple[str, str]]) 
             view of a buffer, or a read of a buffer's view taken before the buffer was
             written; the message names the node, its op, module path and the tensor.
     """
-    canon: dict[str, fx.Node] = {}  # a tied buffer read by several get_attr nodes is one buffer
-    holds: dict[fx.Node, fx.Node] = {n: canon.setdefault(name, n) for n, (k, name) in state.items()
-                                     if k == "buffer"}  # a value -> the buffer it is the value of
-    latest: dict[fx.Node, fx.Node] = {}
-    rename: dict[fx.Node, fx.Node] = {}
-    views: dict[fx.Node, fx.Node] = {}  # a view of a buffer's value -> the buffer
-    stale: dict[fx.Node, fx.Node] = {}  # such views taken before the buffer was written
+    writes = _BufferWrites(graph, state)
     for node in list(graph.nodes):
-        if node.op not in ("call_function", "output"):
-            continue
-        if rename:
-            node.args = fx.map_arg(node.args, lambda n: rename.get(n, n))
-            node.kwargs = fx.map_arg(node.kwargs, lambda n: rename.get(n, n))
+        if node.op in ("call_function", "output"):
+            writes.visit(node)
+    return {b.target: v for b, v in writes.latest.items()}
+
+
+class _BufferWrites:
+    """What :func:`functionalize_state` knows at a point of its walk over the graph.
+
+    Attributes:
+        holds: a value → the buffer it is the value of (a tied buffer read by several
+            ``get_attr`` nodes is one buffer, its first node).
+        latest: a written buffer → the node holding its current value.
+        rename: a buffer's older value → its current one, for the nodes after the write.
+        views: a view of a buffer's value → the buffer.
+        stale: such views taken before the buffer was written → the buffer.
+    """
+
+    def __init__(self, graph: fx.Graph, state: dict[fx.Node, tuple[str, str]]):
+        self.graph, self.state = graph, state
+        canon: dict[str, fx.Node] = {}
+        self.holds = {n: canon.setdefault(name, n) for n, (k, name) in state.items() if k == "buffer"}
+        self.latest: dict[fx.Node, fx.Node] = {}
+        self.rename: dict[fx.Node, fx.Node] = {}
+        self.views: dict[fx.Node, fx.Node] = {}
+        self.stale: dict[fx.Node, fx.Node] = {}
+
+    def visit(self, node: fx.Node) -> None:
+        """Read ``node``'s buffers at their current values; turn a write into one out-of-place."""
+        if self.rename:
+            node.args = fx.map_arg(node.args, lambda n: self.rename.get(n, n))
+            node.kwargs = fx.map_arg(node.kwargs, lambda n: self.rename.get(n, n))
         for x in node.all_input_nodes:
-            if x in stale:
-                buf = state[stale[x]][1]
+            if x in self.stale:
+                buf = self.state[self.stale[x]][1]
                 raise CaptureError(f"the forward reads a view of buffer {buf!r} ({x.name}) taken before the buffer was "
                                    f"updated in place ({_where(node)}); take the view after the update")
         if node.op == "output":
-            continue
+            return
         written = written_args(node)
         if not written:
             base = alias_base(node)
-            if base is not node and base in holds:
-                views[node] = holds[base]
-            continue
+            if base is not node and base in self.holds:
+                self.views[node] = self.holds[base]
+            return
         for i, x in written:
             if isinstance(x, (list, tuple)):  # e.g. _foreach_mul_: refused when it writes into state
-                hit = [state[alias_base(t)] for t in x if isinstance(t, fx.Node) and alias_base(t) in state]
-                hit += [state[holds[alias_base(t)]] for t in x if isinstance(t, fx.Node) and alias_base(t) in holds
-                        and alias_base(t) not in state]
-                if hit:
-                    raise CaptureError(f"the forward writes in place into {', '.join(repr(n) for _, n in hit)} with "
-                                       f"{node.target} ({_where(node)}); autoparallel turns only single-tensor "
-                                       "in-place updates of buffers out-of-place (e.g. `buf.copy_(new)`)")
-                continue
-            if not isinstance(x, fx.Node):
-                continue
-            base = alias_base(x)
-            kind, name = state.get(base, (None, None))
-            if kind in _KIND_WORDS:
-                raise CaptureError(f"the forward writes in place into {_KIND_WORDS[kind]} {name!r} ({_where(node)}); "
-                                   f"autoparallel captures forwards that update only buffers in place. "
-                                   f"{_ADVICE[kind]}")
-            if base not in holds:
-                continue  # a tensor the forward created
-            buf = holds[base]
-            bname = state[buf][1]
-            if x is not base:
-                raise CaptureError(f"the forward writes into a view of buffer {bname!r} ({_where(node)}); "
-                                   "autoparallel supports in-place updates of whole buffers only (e.g. "
-                                   "`buf.copy_(new)`, `buf.add_(1)`)")
-            if i != 0 or len(written) != 1:
-                raise CaptureError(f"the forward updates buffer {bname!r} with {node.target} ({_where(node)}), "
-                                   "an op autoparallel cannot turn out-of-place; update it with `buf.copy_(new)`")
-            with graph.inserting_before(node):
-                new = _functional_update(graph, node, x)
-            for v, b in views.items():
-                if b is buf:
-                    stale[v] = buf
-            holds[new] = buf
-            latest[buf] = new
-            for v, b in holds.items():
-                if b is buf and v is not new:
-                    rename[v] = new
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            break
-    return {b.target: v for b, v in latest.items()}
+                self._refuse_list_write(node, x)
+            elif isinstance(x, fx.Node):
+                buf = self._written_buffer(node, x, single=i == 0 and len(written) == 1)
+                if buf is not None:
+                    self._replace(node, x, buf)
+                    return
+
+    def _refuse_list_write(self, node: fx.Node, xs) -> None:
+        bases = [alias_base(t) for t in xs if isinstance(t, fx.Node)]
+        hit = [self.state[b] for b in bases if b in self.state]
+        hit += [self.state[self.holds[b]] for b in bases if b in self.holds and b not in self.state]
+        if hit:
+            raise CaptureError(f"the forward writes in place into {', '.join(repr(n) for _, n in hit)} with "
+                               f"{node.target} ({_where(node)}); autoparallel turns only single-tensor "
+                               "in-place updates of buffers out-of-place (e.g. `buf.copy_(new)`)")
+
+    def _written_buffer(self, node: fx.Node, x: fx.Node, single: bool) -> fx.Node | None:
+        """The buffer ``node`` writes into through its argument ``x``; ``None`` for a tensor
+        the forward created. ``single``: ``x`` is the op's first and only written argument.
+
+        Raises:
+            CaptureError: ``x`` is an input, a parameter or a constant, a view of a buffer,
+                or a buffer written by an op that writes more than it.
+        """
+        base = alias_base(x)
+        kind, name = self.state.get(base, (None, None))
+        if kind in _KIND_WORDS:
+            raise CaptureError(f"the forward writes in place into {_KIND_WORDS[kind]} {name!r} ({_where(node)}); "
+                               f"autoparallel captures forwards that update only buffers in place. {_ADVICE[kind]}")
+        if base not in self.holds:
+            return None
+        bname = self.state[self.holds[base]][1]
+        if x is not base:
+            raise CaptureError(f"the forward writes into a view of buffer {bname!r} ({_where(node)}); "
+                               "autoparallel supports in-place updates of whole buffers only (e.g. "
+                               "`buf.copy_(new)`, `buf.add_(1)`)")
+        if not single:
+            raise CaptureError(f"the forward updates buffer {bname!r} with {node.target} ({_where(node)}), "
+                               "an op autoparallel cannot turn out-of-place; update it with `buf.copy_(new)`")
+        return self.holds[base]
+
+    def _replace(self, node: fx.Node, x: fx.Node, buf: fx.Node) -> None:
+        """``node`` (writing into ``x``, the value of ``buf``) becomes its out-of-place op,
+        the buffer's new value."""
+        with self.graph.inserting_before(node):
+            new = _functional_update(self.graph, node, x)
+        for v, b in self.views.items():
+            if b is buf:
+                self.stale[v] = buf
+        self.holds[new] = buf
+        self.latest[buf] = new
+        for v, b in self.holds.items():
+            if b is buf and v is not new:
+                self.rename[v] = new
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
 
 
 def _functional_update(graph: fx.Graph, node: fx.Node, old: fx.Node) -> fx.Node:
