@@ -27,6 +27,7 @@ import builtins
 import enum
 import keyword
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_FX_GLOBALS = {"torch", "device", "inf", "nan", "math", "fx_pytree", "pytree", "NoneType", "Group"}  # names fx code binds
+_FX_GLOBALS = {"torch", "device", "inf", "nan", "math", "fx_pytree", "pytree", "NoneType", "Group"}  # bound by fx
 
 
 def process_groups(axis_names, group_names: list[str]) -> list[enum.Enum]:
@@ -55,10 +56,10 @@ def process_groups(axis_names, group_names: list[str]) -> list[enum.Enum]:
     Axis names that are not Python identifiers are made into ones."""
     names: list[str] = []
     for a, axis in enumerate(axis_names):
-        name = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in str(axis))
+        name = re.sub(r"\W", "_", str(axis))
         if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") \
                 or name in ("name", "value") or name in names:
-            name = f"axis{a}_{name}".rstrip("_") if name not in names else f"axis{a}"
+            name = f"axis{a}"
         names.append(name)
     group = enum.StrEnum("Group", list(zip(names, group_names)), module=__name__)
     return [group[n] for n in names]
@@ -82,8 +83,7 @@ def _spec_tag(spec: Spec, axis_names) -> str:
     """:func:`placements_str` as part of a name: ``replicated``, or e.g. ``s0dp_s2tp``."""
     if all(p == R for p in spec):
         return "replicated"
-    tags = ("".join(ch for ch in t.lower() if ch.isalnum() or ch == "_") for t in placements_str(spec, axis_names).split())
-    return "_".join(tags)
+    return "_".join(re.sub(r"\W", "", t.lower()) for t in placements_str(spec, axis_names).split())
 
 
 def _after(spec: Spec, m: Move) -> Spec:
@@ -365,6 +365,7 @@ class _PerDeviceGraph:
         self.graph.output(tuple(outs))
 
     def build(self) -> fx.Graph:
+        """Parameters, then every traced node in order, then names (:func:`_named_copy`)."""
         self.parameters()
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
