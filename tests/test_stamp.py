@@ -103,6 +103,32 @@ def test_guards_before_tracing():
     assert find_layer_list(T.Qwen2ForCausalLM(cfg)) is None
 
 
+class Doubling(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 2
+
+
+class ParameterFreeLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(Doubling() for _ in range(8))
+
+    def forward(self, x):
+        x = self.lin(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_layers_without_parameters_are_stamped():
+    x = torch.randn(4, 16)
+    stamped = ColoTracer().trace(ParameterFreeLayers(), (x,))
+    full = ColoTracer(stamp=False).trace(ParameterFreeLayers(), (x,))
+    assert stamped.stamped_layers == 4
+    assert canonical(stamped) == canonical(full)
+
+
 def test_forward_that_differs_per_layer_falls_back():
     """A layer list whose forward treats some layers differently (by position, not by module
     attributes) is caught after tracing: layers 1, 2 and L-1 disagree."""

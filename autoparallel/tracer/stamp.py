@@ -241,7 +241,8 @@ class _Stamper:
         """Copy layer 2 into layers ``3 .. L-2``, then move the traced layer 3 to ``L-1``."""
         self.attrs = {n.target: n for n in self.graph.nodes if n.op == "get_attr"}
         # new get_attr nodes go after the traced layer 3's, in layer order, as a full capture has them
-        self.last_attr = [n for n in self.attrs.values() if self.attr_rel(n, 3) is not None][-1]
+        # (layers without parameters or buffers have none, and need none)
+        self.last_attr = next((n for n in reversed(self.attrs.values()) if self.attr_rel(n, 3) is not None), None)
         prev = self.segs[2]
         for layer in range(3, self.n_layers - 1):
             prev = self.copy_layer(2, layer, prev)
