@@ -43,6 +43,17 @@ def test_gpt2_code_matches_golden_file(sim_mesh):
     code = emitted_code(sim_mesh)
     compile(code, str(GOLDEN), "exec")  # valid Python
     assert not re.search(r"0x[0-9a-f]{6,}|/tmp/", code), "an address or a temporary path in the code"
+    # names of the plan table and of parameters, groups by mesh axis, comments with placements
+    assert "    addmm = torch.ops.aten.addmm.default(" in code
+    assert "    transformer_h_0_attn_c_attn_weight = " in code
+    assert "Group.dp" in code and "Group.tp" in code
+    assert re.search(r"\n    # transformer\.h\.0\.[\w.]+: redistribute \w+ [SRP].* -> [SRP].*\n", code)
+    assert re.search(r"\n    # transformer\.h\.0\.[\w.]+: (S\d+\(\w+\)|R|P\(\w+\))[^\n]* -> ", code)
+    # no identity move; the logits are gathered at most once, for the output and the loss alike
+    assert not re.search(r"movedim\.int\(\w+, (\d+), \1\)", code)
+    gathered = {m[1] for m in re.finditer(r"redistribute (\w+) .* -> R R(, a view of \w+ redistributed)?$", code, re.M)
+                if not m[2]}
+    assert not {"to_3", "view_24"} <= gathered, "the logits and their flat view for the loss are gathered apart"
     if os.environ.get("AUTOPARALLEL_REGEN_GOLDEN"):
         GOLDEN.write_text(code)
         pytest.skip(f"regenerated {GOLDEN}")
