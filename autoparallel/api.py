@@ -188,6 +188,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     if not isinstance(meta_inputs, (dict, tuple, list)):
         raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
                         f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
+    keyword = "mesh" if mesh is not None else "mesh_spec"  # the one the caller used, for errors
     mesh = _mesh_spec_keyword(mesh_spec, mesh)
     if mesh is None and mesh_shape is None and isinstance(cost_model, CostModel) and cost_model.profile:
         mesh = cost_model.profile.mesh_spec()  # the profiled mesh with its links' alpha and beta
@@ -197,7 +198,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     if mesh is None:
         mesh = MeshSpec(mesh_shape_tuple(mesh_shape, "mesh_shape"))
     elif not isinstance(mesh, MeshSpec):
-        raise TypeError(f"mesh_spec must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
+        raise TypeError(f"{keyword} must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
