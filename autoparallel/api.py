@@ -26,6 +26,8 @@ from .mesh import MeshSpec, mesh_shape_tuple
 from .passes import apply_plan
 from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
+from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
+from .passes.overlap import overlap_collectives
 from .passes.dropout import shard_random_ops
 from .placement import R, Spec, spec_str, spec_to_json
 from .plan import Plan
@@ -245,7 +247,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     cache_dir=None, memory_budget: int | str | None = None,
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
                     replan: bool = False, check_batch_every: int = 100,
-                    plan: Plan | str | None = None) -> ParallelModule:
+                    plan: Plan | str | None = None, bucket_cap_mb: float = 25) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -281,6 +283,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         check_batch_every: compare a fingerprint of the inputs across ranks on the first call
             and every this many calls (one all-reduce of two float64 numbers per input);
             ranks that pass different batches raise InputMismatchError. ``0`` never checks.
+        bucket_cap_mb: the largest gradient bucket in MiB: gradients of parameters replicated
+            along mesh axes are all-reduced in buckets of at most this size, each launched
+            during the backward as soon as its gradients exist (DDP's argument of that name;
+            :mod:`autoparallel.passes.grad_buckets`).
         plan: a :class:`Plan` (or its JSON) to run instead of planning, e.g. one saved with
             ``plan.to_json()`` or edited by hand; it is validated against the captured graph
             (:func:`autoparallel.validate.validate_plan`) on every rank.
@@ -346,9 +352,20 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             p = plan
         recapture = _Recapture(model, mesh, device_mesh, options, stamp_layers=stamp_layers,
                                keywords=isinstance(meta_inputs, dict), replan=replan)
-    pmodel = emit(model, traced, p, device_mesh, check_batch_every=check_batch_every)
+    pmodel = emit(model, traced, p, device_mesh, check_batch_every=check_batch_every,
+                  bucket_cap_bytes=_bucket_cap_bytes(bucket_cap_mb))
     pmodel.__dict__["_recapture"] = recapture
     return pmodel
+
+
+def _bucket_cap_bytes(bucket_cap_mb) -> int:
+    """``bucket_cap_mb`` MiB in bytes (at least 1).
+
+    Raises:
+        ValueError: not a positive number."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    return max(1, int(bucket_cap_mb * 2**20))
 
 
 def _plan_on_rank0(traced, mesh: MeshSpec, options: dict, pinned=None) -> Plan:
@@ -461,15 +478,16 @@ class _Recapture:
         return variant
 
 
-def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModule:
+def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.GraphModule:
     """The per-device graph of ``plan`` for ``traced`` as a GraphModule over ``root`` (a module
     or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
-    :func:`apply_plan`, per-shard random ops, activation checkpointing."""
+    :func:`apply_plan` (gradient buckets of at most ``bucket_cap_bytes``), per-shard random
+    ops, activation checkpointing, then the forward's collectives scheduled for overlap."""
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
-                       traced_on=traced.device)
+                       traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
     graph.set_codegen(CommentedCode())
     gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
@@ -478,19 +496,24 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root) -> fx.GraphModul
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
         apply_checkpointing(gm, stage_of, plan.checkpoint.regions)
         readable(gm)  # the regions' own graphs print their comments too
+    overlap_collectives(gm)
     return gm
 
 
 def _add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=None) -> Variant:
-    gm = _device_graph_module(traced, plan, device_mesh, pmodel.graph_root(traced.constants) if root is None else root)
+    gm = _device_graph_module(traced, plan, device_mesh, pmodel.graph_root(traced.constants) if root is None else root,
+                              pmodel.bucket_cap_bytes)
     return pmodel.add_variant(gm, plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
                               input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
 
 
-def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: int = 100) -> ParallelModule:
+def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: int = 100,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> ParallelModule:
     """Apply ``plan`` to the traced graph of ``model`` and build the ParallelModule (the last
-    two stages of :func:`autoparallelize`; also used to run hand-picked plans)."""
+    two stages of :func:`autoparallelize`; also used to run hand-picked plans); gradients
+    are reduced in buckets of at most ``bucket_cap_bytes``."""
     pmodel = ParallelModule(model, None, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
                             constants=traced.constants, check_batch_every=check_batch_every)
+    pmodel.__dict__["bucket_cap_bytes"] = bucket_cap_bytes  # every graph of the module buckets alike
     _add_variant(pmodel, traced, plan, device_mesh, root=pmodel)  # the first graph reads the module itself
     return pmodel

@@ -4,8 +4,8 @@ The result computes on local shards. Its inputs are ``mesh_coord`` (this device'
 coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
 shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
 shards by :func:`~autoparallel.runtime_kernels.param_local`; gradients of parameters
-replicated along mesh axes are all-reduced in buckets
-(:func:`~autoparallel.runtime_kernels.grad_bucket`). Every redistribution of the plan
+replicated along mesh axes are all-reduced in buckets during the backward
+(:func:`~autoparallel.runtime_kernels.reduce_grads_in_bucket`). Every redistribution of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate; one per
 (value, target placement), shared by the value's consumers. The capture device becomes the
@@ -38,9 +38,10 @@ from torch.distributed.tensor import Partial, Shard
 from ..graph import output_leaves, tensor_inputs
 from ..placement import P, R, Spec, local_shape, shard_axes
 from ..plan import Plan
-from ..runtime_kernels import grad_bucket, param_local, returned
+from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
 from ..solver.layout import Move
 from ..strategies.records import LocalCall, record_of
+from .grad_buckets import DEFAULT_BUCKET_CAP_BYTES, grad_buckets
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -236,8 +237,9 @@ class _PerDeviceGraph:
     """The steps of :func:`apply_plan`; one instance per call (arguments as there)."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
-                 param_targets: set[str], world_size: int, traced_on: str):
+                 param_targets: set[str], world_size: int, traced_on: str, bucket_cap_bytes: int):
         self.gm, self.plan, self.device, self.traced_on = gm, plan, device, traced_on
+        self.bucket_cap_bytes = bucket_cap_bytes
         self.param_targets, self.world_size = param_targets, world_size
         self.graph = fx.Graph()
         self.names: dict[fx.Node, str] = {}  # emitted node → preferred name (:func:`_named_copy`)
@@ -255,31 +257,26 @@ class _PerDeviceGraph:
             since.next.meta["comment"] = text
 
     def parameters(self) -> None:
-        """Parameters and buffers: their local shards, and the gradient buckets of those
-        replicated along mesh axes (one per such set of axes and dtype)."""
-        ms = self.plan.mesh.shape
-        buckets: dict[tuple, list[fx.Node]] = {}
+        """Parameters and buffers: their local shards; the parameters replicated along mesh
+        axes are read through their gradient bucket (:func:`grad_buckets`), whose backward
+        all-reduces their gradients while the backward goes on."""
+        attrs = {}
         for node in self.gm.graph.nodes:
             if node.op != "get_attr":
                 continue
-            attr = self.graph.get_attr(node.target)
+            attrs[node] = attr = self.graph.get_attr(node.target)
             if node.target not in self.param_targets:
                 self.env[node] = attr
                 continue
             self.names[attr] = f"{node.name}_dtensor"
             self.env[node] = self.graph.call_function(param_local, (attr,))
-            spec = self.plan.nodes[node.name].output_specs[0]
-            groups = tuple(self.groups[a] for a, p in enumerate(spec) if p == R and ms[a] > 1)
-            if groups and node.meta["autoparallel"].requires_grad:
-                buckets.setdefault((groups, node.meta["val"].dtype), []).append(node)
-        for (groups, _), members in buckets.items():
-            for m in members:
-                self.names[self.env[m]] = f"{m.name}_local"
+        for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes):
+            groups = tuple(self.groups[a] for a in b.axes)
             since = _tail(self.graph)
-            bucket = self.graph.call_function(grad_bucket, (groups, *[self.env[m] for m in members]))
-            self.comment(since, f"gradients of these {len(members)} parameters: all-reduced over "
-                                f"{', '.join(g.name for g in groups)} in the backward")
-            for i, m in enumerate(members):
+            bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *[attrs[m] for m in b.members]))
+            self.comment(since, f"gradients of these {len(b.members)} parameters ({b.nbytes / 2**20:.2f} MiB): "
+                                f"all-reduced over {', '.join(g.name for g in groups)} during the backward")
+            for i, m in enumerate(b.members):
                 self.env[m] = self.graph.call_function(operator.getitem, (bucket, i))
 
     def redistributed(self, dst: str, j: int, x: fx.Node) -> fx.Node:
@@ -432,7 +429,8 @@ def _op_name(n: fx.Node) -> str:
 
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
-               param_targets: set[str], world_size: int, traced_on: str = "meta") -> fx.Graph:
+               param_targets: set[str], world_size: int, traced_on: str = "meta",
+               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> fx.Graph:
     """Build the per-device graph for ``plan`` (module docstring).
 
     Args:
@@ -444,11 +442,13 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
         param_targets: ``get_attr`` targets that are parameters or buffers (DTensors).
         world_size: number of devices in the mesh.
         traced_on: device type the graph was captured on; its ``device=`` arguments move to ``device``.
+        bucket_cap_bytes: the largest gradient bucket in bytes per device (:func:`grad_buckets`).
 
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
     """
-    return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on).build()
+    return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on,
+                           bucket_cap_bytes).build()
 
 
 def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:

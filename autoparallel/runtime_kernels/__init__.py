@@ -1,5 +1,6 @@
 """Functions the generated code calls besides ATen ops and ``_c10d_functional`` collectives."""
 
-from .autograd import grad_bucket, param_local, per_rank, returned
+from .autograd import param_local, per_rank, returned
+from .grad_reduction import reduce_grads_in_bucket
 
-__all__ = ["grad_bucket", "param_local", "per_rank", "returned"]
+__all__ = ["param_local", "per_rank", "reduce_grads_in_bucket", "returned"]

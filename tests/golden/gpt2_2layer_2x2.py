@@ -145,13 +145,16 @@ def forward(self, mesh_coord, input_ids, labels):
     all_gather_into_tensor_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_2, 2, Group.tp);  contiguous_2 = None
     wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
     all_gather_into_tensor_3 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_2, 2, Group.dp);  wait_tensor_2 = None
-    transformer_h_0_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_3);  all_gather_into_tensor_3 = None
     # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_bias S0(dp) S0(tp) -> R R
     contiguous_3 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_bias);  transformer_h_0_ln_1_bias = None
     all_gather_into_tensor_4 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_3, 2, Group.tp);  contiguous_3 = None
     wait_tensor_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_4);  all_gather_into_tensor_4 = None
     all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_3, 2, Group.dp);  wait_tensor_3 = None
+    transformer_h_0_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_3);  all_gather_into_tensor_3 = None
     transformer_h_0_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5);  all_gather_into_tensor_5 = None
+    # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_weight S0(dp) S0(tp) -> R R
+    contiguous_8 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_weight);  transformer_h_0_ln_2_weight = None
+    all_gather_into_tensor_11 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_8, 2, Group.tp);  contiguous_8 = None
     layer_norm = torch.ops.aten.layer_norm.default(dropout_replicated, [64], transformer_h_0_ln_1_weight_replicated, transformer_h_0_ln_1_bias_replicated, 1e-05, False);  dropout_replicated = transformer_h_0_ln_1_weight_replicated = transformer_h_0_ln_1_bias_replicated = None
     view_1 = torch.ops.aten.view.default(layer_norm, [128, 64]);  layer_norm = None
     addmm = torch.ops.aten.addmm.default(transformer_h_0_attn_c_attn_bias, view_1, transformer_h_0_attn_c_attn_weight);  transformer_h_0_attn_c_attn_bias = view_1 = transformer_h_0_attn_c_attn_weight = None
@@ -214,18 +217,18 @@ def forward(self, mesh_coord, input_ids, labels):
     unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_8, 0, [4, 8]);  wait_tensor_8 = None
     movedim_3 = torch.ops.aten.movedim.int(unflatten_12, 0, 2);  unflatten_12 = None
     add_4_replicated = torch.ops.aten.flatten.using_ints(movedim_3, 2, 3);  movedim_3 = None
-    # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_weight S0(dp) S0(tp) -> R R
-    contiguous_8 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_weight);  transformer_h_0_ln_2_weight = None
-    all_gather_into_tensor_11 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_8, 2, Group.tp);  contiguous_8 = None
     wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_11);  all_gather_into_tensor_11 = None
     all_gather_into_tensor_12 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_9, 2, Group.dp);  wait_tensor_9 = None
-    transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_12);  all_gather_into_tensor_12 = None
     # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_bias S0(dp) S0(tp) -> R R
     contiguous_9 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_bias);  transformer_h_0_ln_2_bias = None
     all_gather_into_tensor_13 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_9, 2, Group.tp);  contiguous_9 = None
     wait_tensor_10 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_13);  all_gather_into_tensor_13 = None
     all_gather_into_tensor_14 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_10, 2, Group.dp);  wait_tensor_10 = None
+    transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_12);  all_gather_into_tensor_12 = None
     transformer_h_0_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_14);  all_gather_into_tensor_14 = None
+    # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_weight S0(dp) S0(tp) -> R R
+    contiguous_12 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
+    all_gather_into_tensor_19 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_12, 2, Group.tp);  contiguous_12 = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(add_4_replicated, [64], transformer_h_0_ln_2_weight_replicated, transformer_h_0_ln_2_bias_replicated, 1e-05, False);  add_4_replicated = transformer_h_0_ln_2_weight_replicated = transformer_h_0_ln_2_bias_replicated = None
     view_8 = torch.ops.aten.view.default(layer_norm_1, [128, 64]);  layer_norm_1 = None
     addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, view_8, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = view_8 = transformer_h_0_mlp_c_fc_weight = None
@@ -264,18 +267,18 @@ def forward(self, mesh_coord, input_ids, labels):
     unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [4, 8]);  wait_tensor_14 = None
     movedim_5 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
     add_7_replicated = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
-    # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_weight S0(dp) S0(tp) -> R R
-    contiguous_12 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
-    all_gather_into_tensor_19 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_12, 2, Group.tp);  contiguous_12 = None
     wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_19);  all_gather_into_tensor_19 = None
     all_gather_into_tensor_20 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_15, 2, Group.dp);  wait_tensor_15 = None
-    transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_bias S0(dp) S0(tp) -> R R
     contiguous_13 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
     all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_13, 2, Group.tp);  contiguous_13 = None
     wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
     all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_16, 2, Group.dp);  wait_tensor_16 = None
+    transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
     transformer_h_1_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
+    # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_weight S0(dp) S0(tp) -> R R
+    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_weight);  transformer_h_1_ln_2_weight = None
+    all_gather_into_tensor_28 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7_replicated, [64], transformer_h_1_ln_1_weight_replicated, transformer_h_1_ln_1_bias_replicated, 1e-05, False);  add_7_replicated = transformer_h_1_ln_1_weight_replicated = transformer_h_1_ln_1_bias_replicated = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [128, 64]);  layer_norm_2 = None
     addmm_4 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_attn_bias, view_12, transformer_h_1_attn_c_attn_weight);  transformer_h_1_attn_c_attn_bias = view_12 = transformer_h_1_attn_c_attn_weight = None
@@ -338,18 +341,18 @@ def forward(self, mesh_coord, input_ids, labels):
     unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_21, 0, [4, 8]);  wait_tensor_21 = None
     movedim_8 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
     add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
-    # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_weight S0(dp) S0(tp) -> R R
-    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_weight);  transformer_h_1_ln_2_weight = None
-    all_gather_into_tensor_28 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
     wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_28);  all_gather_into_tensor_28 = None
     all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
-    transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
     # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_bias S0(dp) S0(tp) -> R R
     contiguous_19 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_bias);  transformer_h_1_ln_2_bias = None
     all_gather_into_tensor_30 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
     wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_30);  all_gather_into_tensor_30 = None
     all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_23, 2, Group.dp);  wait_tensor_23 = None
+    transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
     transformer_h_1_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_31);  all_gather_into_tensor_31 = None
+    # transformer.ln_f: redistribute transformer_ln_f_weight S0(dp) S0(tp) -> R R
+    contiguous_23 = torch.ops.aten.contiguous.default(transformer_ln_f_weight);  transformer_ln_f_weight = None
+    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.tp);  contiguous_23 = None
     layer_norm_3 = torch.ops.aten.layer_norm.default(add_8_replicated, [64], transformer_h_1_ln_2_weight_replicated, transformer_h_1_ln_2_bias_replicated, 1e-05, False);  add_8_replicated = transformer_h_1_ln_2_weight_replicated = transformer_h_1_ln_2_bias_replicated = None
     view_19 = torch.ops.aten.view.default(layer_norm_3, [128, 64]);  layer_norm_3 = None
     addmm_6 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_fc_bias, view_19, transformer_h_1_mlp_c_fc_weight);  transformer_h_1_mlp_c_fc_bias = view_19 = transformer_h_1_mlp_c_fc_weight = None
@@ -395,25 +398,22 @@ def forward(self, mesh_coord, input_ids, labels):
     unflatten_22 = torch.ops.aten.unflatten.int(flatten_5, 0, [2, 2]);  flatten_5 = None
     index_select_10 = torch.ops.aten.index_select.default(unflatten_22, 0, coord_tp);  unflatten_22 = coord_tp = None
     add_11_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
-    # transformer.ln_f: redistribute transformer_ln_f_weight S0(dp) S0(tp) -> R R
-    contiguous_23 = torch.ops.aten.contiguous.default(transformer_ln_f_weight);  transformer_ln_f_weight = None
-    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.tp);  contiguous_23 = None
     wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
     all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_28, 2, Group.dp);  wait_tensor_28 = None
-    transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
     # transformer.ln_f: redistribute transformer_ln_f_bias S0(dp) S0(tp) -> R R
     contiguous_24 = torch.ops.aten.contiguous.default(transformer_ln_f_bias);  transformer_ln_f_bias = None
     all_gather_into_tensor_37 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_24, 2, Group.tp);  contiguous_24 = None
     wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
     all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_29, 2, Group.dp);  wait_tensor_29 = None
+    transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
     transformer_ln_f_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
+    # lm_head: redistribute transformer_wte_weight_1 S1(dp) S1(tp) -> R R
+    contiguous_25 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
+    all_gather_into_tensor_39 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_25, 2, Group.tp);  contiguous_25 = None
     layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s0dp_s0tp, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s0dp_s0tp = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
     # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_23 = torch.ops.aten.view.default(layer_norm_4, [2, 16, 64]);  layer_norm_4 = None
     alias = torch.ops.aten.alias.default(view_23);  view_23 = None
-    # lm_head: redistribute transformer_wte_weight_1 S1(dp) S1(tp) -> R R
-    contiguous_25 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
-    all_gather_into_tensor_39 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_25, 2, Group.tp);  contiguous_25 = None
     wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
     all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.dp);  wait_tensor_30 = None
     wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_40);  all_gather_into_tensor_40 = None

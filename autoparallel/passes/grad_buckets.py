@@ -1,0 +1,85 @@
+"""Which parameters share a gradient all-reduce: DDP's bucketing on the traced graph.
+
+A parameter whose placement is ``Replicate`` along mesh axes of more than one device needs
+its gradient all-reduced over them (DESIGN §2). Parameters replicated along the same axes
+and of one dtype are packed into buckets of at most ``bucket_cap_bytes`` in the reverse
+order of their first use in the forward, the order in which the backward produces their
+gradients, so that each bucket's all-reduce can start while the backward of the earlier
+layers still runs (Li et al., VLDB 2020, §3.2; DDP's default cap is 25 MiB). A parameter
+larger than the cap is a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ..placement import R, local_shape
+from ..plan import Plan
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass
+class GradBucket:
+    """Parameters whose gradients are all-reduced together.
+
+    Attributes:
+        axes: mesh axes the parameters are replicated along (more than one device each).
+        members: their ``get_attr`` nodes in the traced graph, in reverse order of first use.
+        nbytes: bytes of the flat gradient buffer on one device.
+    """
+
+    axes: tuple[int, ...]
+    members: list[fx.Node]
+    nbytes: int
+
+
+def _local_nbytes(node: fx.Node, spec, mesh_shape) -> int:
+    val = node.meta["val"]
+    return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.dtype.itemsize
+
+
+def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> list[GradBucket]:
+    """The gradient buckets of ``gm`` under ``plan``, in the order the backward fills them.
+
+    Args:
+        gm: the traced graph (``get_attr`` nodes annotated with ``meta["autoparallel"]``).
+        plan: its plan (placements of the ``get_attr`` nodes).
+        param_targets: ``get_attr`` targets that are parameters or buffers.
+        bucket_cap_bytes: the largest flat buffer, in bytes per device.
+
+    Raises:
+        ValueError: ``bucket_cap_bytes`` is not a positive integer.
+    """
+    if not isinstance(bucket_cap_bytes, int) or isinstance(bucket_cap_bytes, bool) or bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be a positive integer, got {bucket_cap_bytes!r}")
+    ms = plan.mesh.shape
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def first_use(node: fx.Node) -> int:
+        return min((order[u] for u in node.users), default=len(order))
+
+    params = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in param_targets
+              and n.meta["autoparallel"].requires_grad]
+    open_: dict[tuple, GradBucket] = {}
+    done: list[GradBucket] = []
+    for node in sorted(params, key=first_use, reverse=True):
+        spec = plan.nodes[node.name].output_specs[0]
+        axes = tuple(a for a, p in enumerate(spec) if p == R and ms[a] > 1)
+        if not axes:
+            continue
+        nbytes = _local_nbytes(node, spec, ms)
+        key = (axes, node.meta["val"].dtype)
+        b = open_.get(key)
+        if b is not None and b.nbytes + nbytes > bucket_cap_bytes:
+            done.append(open_.pop(key))
+            b = None
+        if b is None:
+            b = open_[key] = GradBucket(axes, [], 0)
+        b.members.append(node)
+        b.nbytes += nbytes
+    return done + list(open_.values())
