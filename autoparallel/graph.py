@@ -81,7 +81,7 @@ def bind_args(op, args, kwargs, where: str = "") -> dict[str, Any]:
 
 
 def output_leaves(out: fx.Node) -> list[fx.Node]:
-    """The tensors the graph returns, in order (the output's conversions are indexed by this)."""
+    """The tensors the graph returns, in order (the output's redistributions are indexed by this)."""
     return [x for x in pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)
             and isinstance(x.meta.get("val"), torch.Tensor)]
 

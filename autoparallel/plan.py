@@ -1,4 +1,4 @@
-"""Plan: the chosen strategy of every node, the conversions between them, the activation
+"""Plan: the chosen strategy of every node, the redistributions between them, the activation
 checkpointing, and estimates.
 
 A plan is data: printable as a table, JSON round-trip exact, and identical on every rank
@@ -20,7 +20,7 @@ from .placement import Spec, spec_from_json, spec_str, spec_to_json
 
 @dataclass(frozen=True)
 class Move:
-    """One step of a layout conversion (:mod:`autoparallel.solver.layout`): ``kind`` (one of
+    """One step of a redistribution (:mod:`autoparallel.solver.layout`): ``kind`` (one of
     :data:`MOVE_KINDS`) along mesh ``axis``; ``src_dim``/``dst_dim`` are the tensor dims
     involved (``None`` where not applicable); ``nbytes`` the bytes the collective moves (as
     in :meth:`~autoparallel.solver.costs.CostModel.collective_time`)."""
@@ -198,7 +198,7 @@ class NodePlan:
 
 
 @dataclass
-class Conversion:
+class Redistribution:
     """Resharding of value ``src[src_index]`` into input ``arg`` of node ``dst``
     (``dst == "output"`` for the graph's returned values, ``arg`` then their index)."""
 
@@ -215,15 +215,15 @@ class Conversion:
                 "shape": list(self.shape), "moves": [m.to_json() for m in self.moves], "cost_s": self.cost_s}
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "conversion") -> "Conversion":
+    def from_json(cls, d: dict, where: str = "redistribution") -> "Redistribution":
         """Inverse of :meth:`to_json`.
 
         Raises:
             ValueError: a field missing, unknown or of the wrong type, or a move that is not
                 ``[kind, mesh axis, src dim, dst dim, bytes]`` with a known kind and dims of
-                the tensor (``where`` names the conversion in the message).
+                the tensor (``where`` names the redistribution in the message).
         """
-        _fields(d, _CONVERSION_FIELDS, where)
+        _fields(d, _REDISTRIBUTION_FIELDS, where)
         for k in ("src", "dst"):
             _check(isinstance(d[k], str) and bool(d[k]), where, k, "a node name", d[k])
         for k in ("src_index", "arg"):
@@ -255,7 +255,7 @@ class Plan:
     Attributes:
         mesh: the MeshSpec planned for.
         nodes: per node (in graph order) its :class:`NodePlan`.
-        conversions: every resharding between nodes.
+        redistributions: every resharding between nodes.
         param_placements: parameter and buffer name (tied names included) → spec.
         estimate: ``step_time_s`` (predicted seconds of one forward+backward, recomputation
             included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device, with
@@ -269,7 +269,7 @@ class Plan:
 
     mesh: MeshSpec
     nodes: dict[str, NodePlan]
-    conversions: list[Conversion]
+    redistributions: list[Redistribution]
     param_placements: dict[str, Spec]
     estimate: dict = field(default_factory=dict)
     solver_stats: dict = field(default_factory=dict)
@@ -280,7 +280,7 @@ class Plan:
         """The forward collectives of the plan: ``kind`` (all_reduce, all_gather,
         reduce_scatter, all_to_all), ``mesh_axes``, ``bytes`` and the consuming ``node``."""
         out = []
-        for c in self.conversions:
+        for c in self.redistributions:
             for m in c.moves:
                 if m.kind in ("slice", "mask"):
                     continue
@@ -318,7 +318,7 @@ class Plan:
         return json.dumps({
             "mesh": self.mesh.to_json(),
             "nodes": [n.to_json() for n in self.nodes.values()],
-            "conversions": [c.to_json() for c in self.conversions],
+            "redistributions": [c.to_json() for c in self.redistributions],
             "param_placements": {k: spec_to_json(v) for k, v in self.param_placements.items()},
             "estimate": self.estimate,
             "solver_stats": self.solver_stats,
@@ -339,6 +339,8 @@ class Plan:
             d = json.loads(s)
         except (TypeError, ValueError) as e:
             raise ValueError(f"a plan must be JSON text: {e}") from None
+        if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
+            d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
         _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint",))
         _check(isinstance(d["mesh"], dict), "plan", "mesh", "an object", d["mesh"])
         _fields(d["mesh"], ("shape", "axis_names", "alpha", "beta"), "mesh")
@@ -346,7 +348,7 @@ class Plan:
             mesh = MeshSpec.from_json(d["mesh"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"mesh: {e}") from None
-        for k in ("nodes", "conversions"):
+        for k in ("nodes", "redistributions"):
             _check(isinstance(d[k], list), "plan", k, "a list", d[k])
         for k in ("param_placements", "estimate", "solver_stats"):
             _check(isinstance(d[k], dict), "plan", k, "an object", d[k])
@@ -359,11 +361,12 @@ class Plan:
                 for j, spec in enumerate(specs):
                     _check_len(spec, mesh, f"node {n.name!r}", f"{k}[{j}]")
             nodes[n.name] = n
-        conversions = [Conversion.from_json(c, f"conversions[{i}]") for i, c in enumerate(d["conversions"])]
-        for i, c in enumerate(conversions):
+        redistributions = [Redistribution.from_json(c, f"redistributions[{i}]")
+                           for i, c in enumerate(d["redistributions"])]
+        for i, c in enumerate(redistributions):
             for m in c.moves:
                 if m.axis >= mesh.ndim:
-                    raise ValueError(f"conversions[{i}]: a move along mesh axis {m.axis} of a {mesh.ndim}-axis mesh")
+                    raise ValueError(f"redistributions[{i}]: a move along mesh axis {m.axis} of a {mesh.ndim}-axis mesh")
         params = {}
         for k, v in d["param_placements"].items():
             params[k] = _spec(v, "param_placements", k)
@@ -374,7 +377,7 @@ class Plan:
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
-        return cls(mesh, nodes, conversions, params, d["estimate"], d["solver_stats"], checkpoint)
+        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -384,8 +387,8 @@ MOVE_KINDS = ("all_gather", "all_to_all", "slice", "all_reduce", "reduce_scatter
 """The kinds of :class:`Move` (see :mod:`autoparallel.solver.layout`)."""
 _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_specs", "output_specs",
                 "compute_s", "comm_s", "memory_bytes")
-_CONVERSION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
-_PLAN_FIELDS = ("mesh", "nodes", "conversions", "param_placements", "estimate", "solver_stats", "checkpoint")
+_REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
+_PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

@@ -17,7 +17,7 @@ What is checked (every field the emitted module depends on):
   a buffer the forward updates in place is replicated;
 * ``param_placements``: exactly the graph's parameter and buffer names (tied names
   included), each at the spec of its ``get_attr`` node;
-* conversions: one per graph edge whose producer and consumer specs differ and none
+* redistributions: one per graph edge whose producer and consumer specs differ and none
   elsewhere (the graph outputs are consumed replicated); each names its edge's producer,
   output index and shape, and its moves, each legal where it is applied (as
   :mod:`autoparallel.solver.layout` defines them), turn the producer's spec into the
@@ -27,7 +27,7 @@ What is checked (every field the emitted module depends on):
   changes what is recomputed, not what is computed).
 
 Informational fields, not checked: per-node ``compute_s``, ``comm_s``, ``memory_bytes``,
-each conversion's ``cost_s`` and each move's ``nbytes``, the mesh's axis names, alpha and
+each redistribution's ``cost_s`` and each move's ``nbytes``, the mesh's axis names, alpha and
 beta, ``estimate``, ``solver_stats``, and the checkpoint ``table``, ``recompute_s``,
 ``chain_peak_bytes`` and ``every_stage``: no pass reads them, they change what the plan
 reports, not what the module computes.
@@ -112,7 +112,7 @@ def validate_plan(plan: Plan, traced, *, mesh_shape: Sequence[int] | None = None
         _check_node(plan, n, strategies, gen.aliases, ms, allowed)
     _check_mutated_buffers(plan, gm, traced)
     _check_params(plan, gm, strategies, traced)
-    _check_conversions(plan, gm, strategies, gen.aliases, ms)
+    _check_redistributions(plan, gm, strategies, gen.aliases, ms)
     if plan.checkpoint:
         _check_checkpoint(plan, gm)
 
@@ -219,18 +219,18 @@ def _edges(gm: fx.GraphModule, strategies, aliases):
     return edges
 
 
-def _check_conversions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) -> None:
+def _check_redistributions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) -> None:
     edges = _edges(gm, strategies, aliases)
     pinned = {(n.name, j) for n, j in aliased_edges(list(strategies))}
     repl = (R,) * len(ms)
     seen = {}
-    for i, c in enumerate(plan.conversions):
-        where = f"conversions[{i}] (into {c.dst} input {c.arg})"
+    for i, c in enumerate(plan.redistributions):
+        where = f"redistributions[{i}] (into {c.dst} input {c.arg})"
         key = (c.dst, c.arg)
         if key not in edges:
             raise _mismatch(where, "the graph has no such input")
         if key in seen:
-            raise _mismatch(where, f"a second conversion for the same input (first: conversions[{seen[key]}])")
+            raise _mismatch(where, f"a second redistribution for the same input (first: redistributions[{seen[key]}])")
         seen[key] = i
         x, (u, idx), _ = edges[key]
         if (c.src, c.src_index) != (u.name, idx):
@@ -243,11 +243,11 @@ def _check_conversions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) 
         dst = repl if consumer is None else tuple(plan.nodes[consumer.name].input_specs[key[1]])
         where = f"input {key[1]} of {key[0]} (from {u.name}" + (f" output {idx})" if idx else ")")
         shape, dtype = node_info(u).outputs[idx]
-        c = plan.conversions[seen[key]] if key in seen else None
+        c = plan.redistributions[seen[key]] if key in seen else None
         if c is None:
             if src != dst:
-                raise _mismatch(where, f"no conversion from {_fmt(src, shape)} to {_fmt(dst, shape)}",
-                                "a conversion", "none")
+                raise _mismatch(where, f"no redistribution from {_fmt(src, shape)} to {_fmt(dst, shape)}",
+                                "a redistribution", "none")
             continue
         if key in pinned and (src != dst or c.moves):
             raise _mismatch(where, "the input of an in-place op (or a view of it) must not be resharded: the "
@@ -255,9 +255,9 @@ def _check_conversions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) 
         end = src
         for k, m in enumerate(c.moves):
             end = _apply_move(end, shape, dtype.is_floating_point, m, ms,
-                              f"conversions[{seen[key]}] (into {c.dst} input {c.arg}): moves[{k}]")
+                              f"redistributions[{seen[key]}] (into {c.dst} input {c.arg}): moves[{k}]")
         if end != dst:
-            raise _mismatch(f"conversions[{seen[key]}] (into {c.dst} input {c.arg})",
+            raise _mismatch(f"redistributions[{seen[key]}] (into {c.dst} input {c.arg})",
                             f"its moves turn {_fmt(src, shape)} into {_fmt(end, shape)}", _fmt(dst, shape),
                             _fmt(end, shape))
 

@@ -127,6 +127,6 @@ def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
         warnings.simplefilter("always")
         old = plan(model, inputs, mesh=MeshSpec((2,)), cache_dir=False)
     assert any(issubclass(w.category, DeprecationWarning) and "mesh_spec" in str(w.message) for w in caught)
-    assert old.nodes == new.nodes and old.conversions == new.conversions
+    assert old.nodes == new.nodes and old.redistributions == new.redistributions
     with pytest.raises(ValueError, match="mesh_spec= only"):
         plan(model, inputs, mesh=MeshSpec((2,)), mesh_spec=MeshSpec((2,)), cache_dir=False)

@@ -80,6 +80,13 @@ def mlp_plan():
     return _solved(_mlp, (2,), cost_model=ShardParams("cpu"))
 
 
+def test_from_json_reads_plans_saved_with_the_old_field_name(mlp_plan):
+    """Plans saved before 'conversions' was renamed 'redistributions' still load, unchanged."""
+    d = json.loads(mlp_plan[1].to_json())
+    d["conversions"] = d.pop("redistributions")
+    assert d["conversions"] and Plan.from_json(json.dumps(d)) == mlp_plan[1]
+
+
 @pytest.mark.parametrize("spec, match", [
     (["S99"], "splits dim 99 of a 2-dim tensor"), (["S-1"], "bad placement 'S-1'"), (["S01"], "bad placement"),
     (["Q"], "bad placement 'Q'"), ([0], "bad placement 0"), ("S0", "must be a list"),
@@ -99,10 +106,10 @@ def test_from_json_rejects_bad_specs(mlp_plan, spec, match):
     (lambda d: d["nodes"][0].update(out_shapes=[[64, "64"]]), "out_shapes.* must be a list of ints >= 0"),
     (lambda d: d["nodes"][0].update(compute_s="fast"), "compute_s must be a number"),
     (lambda d: d["nodes"][0].pop("op"), r"missing field\(s\) \['op'\]"),
-    (lambda d: d["conversions"][0]["moves"][0].__setitem__(0, "teleport"), "kind 'teleport' is not one of"),
-    (lambda d: d["conversions"][0]["moves"][0].__setitem__(1, 1), "along mesh axis 1 of a 1-axis mesh"),
-    (lambda d: d["conversions"][0]["moves"].append([1, 2]), "expected \\[kind, mesh axis"),
-    (lambda d: d["conversions"][0].update(arg=-1), "arg must be an int >= 0"),
+    (lambda d: d["redistributions"][0]["moves"][0].__setitem__(0, "teleport"), "kind 'teleport' is not one of"),
+    (lambda d: d["redistributions"][0]["moves"][0].__setitem__(1, 1), "along mesh axis 1 of a 1-axis mesh"),
+    (lambda d: d["redistributions"][0]["moves"].append([1, 2]), "expected \\[kind, mesh axis"),
+    (lambda d: d["redistributions"][0].update(arg=-1), "arg must be an int >= 0"),
     (lambda d: d["param_placements"].update({"layers.0.weight": ["S0", "R"]}), "has 2 placements"),
     (lambda d: d["mesh"].update(shape=[2, 0]), "mesh: .*at least 1 device"),
     (lambda d: d["mesh"].update(beta=[-1.0]), "mesh: .*beta must be positive"),
@@ -189,7 +196,7 @@ def _emitted(traced, plan):
     return code, plan.param_placements, plan.mesh.shape, plan.checkpoint.stages if plan.checkpoint else None
 
 
-INFORMATIONAL = {"node.compute_s", "node.comm_s", "node.memory_bytes", "conversion.cost_s", "move.nbytes",
+INFORMATIONAL = {"node.compute_s", "node.comm_s", "node.memory_bytes", "redistribution.cost_s", "move.nbytes",
                  "mesh.axis_names", "mesh.alpha", "mesh.beta", "estimate", "solver_stats", "checkpoint.table",
                  "checkpoint.recompute_s", "checkpoint.every_stage"}
 
@@ -201,7 +208,7 @@ def _tokens(rank):
 def _tampers(d, rng, per_kind):
     """``(kind, edit)`` single-field edits of plan JSON ``d``: every kind of field, up to
     ``per_kind`` (sampled) of each kind."""
-    nodes, convs = d["nodes"], d["conversions"]
+    nodes, convs = d["nodes"], d["redistributions"]
     names = [n["name"] for n in nodes]
     ndim = len(d["mesh"]["shape"])
     out = {}
@@ -241,33 +248,33 @@ def _tampers(d, rng, per_kind):
         add("node.comm_s", set_at("nodes", i, "comm_s", value=n["comm_s"] + 1.0))
         add("node.memory_bytes", set_at("nodes", i, "memory_bytes", value=n["memory_bytes"] + 7))
     for i, c in enumerate(convs):
-        add("conversion.src", set_at("conversions", i, "src", value=next(x for x in names if x != c["src"])))
-        add("conversion.src_index", set_at("conversions", i, "src_index", value=c["src_index"] + 1))
-        add("conversion.dst", set_at("conversions", i, "dst", value=next(x for x in names[::-1] if x != c["dst"])))
-        add("conversion.dst", set_at("conversions", i, "dst", value="output" if c["dst"] != "output" else names[-1]))
-        add("conversion.arg", set_at("conversions", i, "arg", value=c["arg"] + 1))
+        add("redistribution.src", set_at("redistributions", i, "src", value=next(x for x in names if x != c["src"])))
+        add("redistribution.src_index", set_at("redistributions", i, "src_index", value=c["src_index"] + 1))
+        add("redistribution.dst", set_at("redistributions", i, "dst", value=next(x for x in names[::-1] if x != c["dst"])))
+        add("redistribution.dst", set_at("redistributions", i, "dst", value="output" if c["dst"] != "output" else names[-1]))
+        add("redistribution.arg", set_at("redistributions", i, "arg", value=c["arg"] + 1))
         if c["shape"]:
-            add("conversion.shape", set_at("conversions", i, "shape", 0, value=c["shape"][0] * 2))
-        add("conversion.shape", set_at("conversions", i, "shape", value=c["shape"] + [1]))
-        add("conversion.cost_s", set_at("conversions", i, "cost_s", value=c["cost_s"] * 2 + 1.0))
-        add("conversion.moves", set_at("conversions", i, "moves", value=[]))
-        add("conversion.moves", set_at("conversions", i, "moves", value=c["moves"] + c["moves"][:1]))
-        add("conversions", lambda x, i=i: x["conversions"].pop(i))
-        add("conversions", lambda x, i=i: x["conversions"].append(copy.deepcopy(x["conversions"][i])))
+            add("redistribution.shape", set_at("redistributions", i, "shape", 0, value=c["shape"][0] * 2))
+        add("redistribution.shape", set_at("redistributions", i, "shape", value=c["shape"] + [1]))
+        add("redistribution.cost_s", set_at("redistributions", i, "cost_s", value=c["cost_s"] * 2 + 1.0))
+        add("redistribution.moves", set_at("redistributions", i, "moves", value=[]))
+        add("redistribution.moves", set_at("redistributions", i, "moves", value=c["moves"] + c["moves"][:1]))
+        add("redistributions", lambda x, i=i: x["redistributions"].pop(i))
+        add("redistributions", lambda x, i=i: x["redistributions"].append(copy.deepcopy(x["redistributions"][i])))
         rank = len(c["shape"])
         for k, m in enumerate(c["moves"]):
-            add("conversion.moves", lambda x, i=i, k=k: x["conversions"][i]["moves"].pop(k))
+            add("redistribution.moves", lambda x, i=i, k=k: x["redistributions"][i]["moves"].pop(k))
             for kind in MOVE_KINDS:
                 if kind != m[0]:
-                    add("move.kind", set_at("conversions", i, "moves", k, 0, value=kind))
+                    add("move.kind", set_at("redistributions", i, "moves", k, 0, value=kind))
             for axis in range(ndim + 1):
                 if axis != m[1]:
-                    add("move.axis", set_at("conversions", i, "moves", k, 1, value=axis))
+                    add("move.axis", set_at("redistributions", i, "moves", k, 1, value=axis))
             for slot, kind in ((2, "move.src_dim"), (3, "move.dst_dim")):
                 for dim in [None] + list(range(rank + 1)):
                     if dim != m[slot]:
-                        add(kind, set_at("conversions", i, "moves", k, slot, value=dim))
-            add("move.nbytes", set_at("conversions", i, "moves", k, 4, value=m[4] + 8))
+                        add(kind, set_at("redistributions", i, "moves", k, slot, value=dim))
+            add("move.nbytes", set_at("redistributions", i, "moves", k, 4, value=m[4] + 8))
     for name, spec in d["param_placements"].items():
         node = next((n for n in nodes if n["op"] == "get_attr" and n["name"] == name.replace(".", "_")), None)
         rank = len(node["out_shapes"][0]) if node else 1
@@ -345,11 +352,11 @@ def _tamper_all(traced, plan, per_kind):
 ], ids=["mlp-2x2", "inplace-buffers", "gpt2-4", "gpt2-checkpointed"])
 def test_single_field_tampers_are_rejected_or_harmless(make, mesh_shape, per_kind, options, moves, request):
     traced, plan = _solved(make, mesh_shape, **options)
-    assert {m.kind for c in plan.conversions for m in c.moves} >= moves  # the plan exercises these
+    assert {m.kind for c in plan.redistributions for m in c.moves} >= moves  # the plan exercises these
     assert bool(plan.checkpoint) == request.node.callspec.id.endswith("checkpointed")
     counts, kinds = _tamper_all(traced, plan, per_kind)
     assert {"node.input_specs", "node.output_specs", "node.name", "node.op", "node.in_shapes", "node.out_shapes",
-            "conversion.moves", "move.kind", "move.axis", "param_placements", "mesh.shape"} <= kinds
+            "redistribution.moves", "move.kind", "move.axis", "param_placements", "mesh.shape"} <= kinds
     assert counts["validate"] > 0 and counts["from_json"] > 0
 
 

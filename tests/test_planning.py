@@ -10,7 +10,7 @@ from torch.distributed.tensor import Shard
 import autoparallel
 from autoparallel.mesh import MeshSpec
 from autoparallel.placement import P, R, spec_str
-from autoparallel.solver import CostModel, ILPEdge, ILPProblem, LayoutConverter, solve
+from autoparallel.solver import CostModel, ILPEdge, ILPProblem, Redistributor, solve
 from autoparallel.strategies import enumerate_strategies
 from autoparallel.strategies.rules import linear_rule, matmul_rule
 from models import MLP, ShardParams, batch_for, hf_model, to_meta
@@ -57,39 +57,39 @@ def test_linear_with_bias_row_parallel_needs_partial_bias():
     assert (("R R", "S0 R", "S0"), "R S0") in got
 
 
-def test_layout_conversion_paths_and_costs():
+def test_redistribution_paths_and_costs():
     mesh = MeshSpec((2, 4), alpha=1e-5, beta=1e-9)
     cm = CostModel().bind(mesh)
-    lc = LayoutConverter(cm)
+    lc = Redistributor(cm)
     shape, item = (8, 64, 32), 4
     nbytes = 8 * 64 * 32 * 4
     # replicate -> sharded: local slices, no communication
-    cost, moves = lc.convert(shape, item, True, (R, R), (S0, S1), True)
+    cost, moves = lc.redistribute(shape, item, True, (R, R), (S0, S1), True)
     assert [m.kind for m in moves] == ["slice", "slice"] and cost < 1e-8
     # partial -> replicated on a 1-D mesh: one all-reduce, forward and backward
-    lc1 = LayoutConverter(CostModel().bind(MeshSpec((4,), alpha=1e-5, beta=1e-9)))
-    cost, moves = lc1.convert(shape, item, True, (P,), (R,), True)
+    lc1 = Redistributor(CostModel().bind(MeshSpec((4,), alpha=1e-5, beta=1e-9)))
+    cost, moves = lc1.redistribute(shape, item, True, (P,), (R,), True)
     assert [(m.kind, m.axis) for m in moves] == [("all_reduce", 0)]
     assert cost == pytest.approx(2 * (1e-5 + 2 * 3 / 4 * nbytes * 1e-9))
-    cost_nograd, _ = lc1.convert(shape, item, True, (P,), (R,), False)  # no gradient: forward only
+    cost_nograd, _ = lc1.redistribute(shape, item, True, (P,), (R,), False)  # no gradient: forward only
     assert cost_nograd == pytest.approx(cost / 2)
     # on 2×4 the search may use the other axis to shrink the all-reduce; never worse than direct
-    cost, moves = lc.convert(shape, item, True, (R, P), (R, R), True)
+    cost, moves = lc.redistribute(shape, item, True, (R, P), (R, R), True)
     direct = 2 * (1e-5 + 2 * 3 / 4 * nbytes * 1e-9)
     assert cost <= direct and ("all_reduce", 1) in [(m.kind, m.axis) for m in moves]
     # S01 -> R: gather the inner axis first (the only legal order)
-    cost, moves = lc.convert(shape, item, True, (S0, S0), (R, R), False)
+    cost, moves = lc.redistribute(shape, item, True, (S0, S0), (R, R), False)
     assert [(m.kind, m.axis) for m in moves] == [("all_gather", 1), ("all_gather", 0)]
     expect = (1e-5 + 3 / 4 * nbytes / 2 * 1e-9) + (1e-5 + 1 / 2 * nbytes * 1e-9)
     assert cost == pytest.approx(expect)
     # shard dim 1 -> shard dim 0 on one axis: an all-to-all beats gather + slice
-    cost, moves = lc.convert(shape, item, True, (S1, R), (S0, R), False)
+    cost, moves = lc.redistribute(shape, item, True, (S1, R), (S0, R), False)
     assert [m.kind for m in moves] == ["all_to_all"]
     # partial -> sharded: reduce-scatter
-    cost, moves = lc.convert(shape, item, True, (P, R), (S2, R), False)
+    cost, moves = lc.redistribute(shape, item, True, (P, R), (S2, R), False)
     assert [m.kind for m in moves] == ["reduce_scatter"]
     # integer tensors are never partial
-    assert math.isinf(lc.convert(shape, 8, False, (R, R), (P, R), False)[0])
+    assert math.isinf(lc.redistribute(shape, 8, False, (R, R), (P, R), False)[0])
 
 
 def test_ilp_toy_graph_known_optimum():

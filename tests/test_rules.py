@@ -6,7 +6,7 @@ op node is forced, the per-device module is emitted and run, and its outputs and
 parameter gradient must equal the dense computation. To keep this affordable, round ``i``
 forces the ``i``-th strategy of every node at once (the planner converts between them); a
 failing round is replayed node by node to name the culprit. Nodes on an edge of an in-place
-op (which admits no conversion) are checked one at a time instead. Every sample runs on a
+op (which admits no redistribution) are checked one at a time instead. Every sample runs on a
 (4,) mesh, the samples in :data:`TWO_D` also on (2, 2).
 
 :func:`test_every_rule_op_has_a_sample` fails when an op overload with a rule appears in no
@@ -279,7 +279,7 @@ def _captured(fn, specs):
 
 
 def _match_in_place(choice, node, strategies, planner) -> bool:
-    """Edges an in-place op writes through admit no conversion (the planner pins them):
+    """Edges an in-place op writes through admit no redistribution (the planner pins them):
     give the other end of each such edge at ``node`` a strategy that matches ``node``'s."""
     for c, j in planner._pinned:
         x = tensor_inputs(c)[j][1]

@@ -248,7 +248,7 @@ class _PerDeviceGraph:
         self.axis_names = [g.name for g in self.groups]
         self.em = _Emitter(self.graph, self.graph.placeholder("mesh_coord"), plan, self.groups, self.names)
         self.env: dict[fx.Node, fx.Node] = {}
-        self.by_input = {(c.dst, c.arg): c for c in plan.conversions}
+        self.by_input = {(c.dst, c.arg): c for c in plan.redistributions}
         self.done: dict[tuple[fx.Node, Spec], fx.Node] = {}  # (value, target spec) → redistributed
 
     def comment(self, since: fx.Node, text: str) -> None:
@@ -313,7 +313,7 @@ class _PerDeviceGraph:
         if x.target not in _VIEWS or any(p != R for p in target) or not isinstance(x.args[0], fx.Node):
             return None
         base = x.args[0]
-        for c in self.plan.conversions:
+        for c in self.plan.redistributions:
             if c.src == base.name and c.src_index == 0 and c.dst != x.name:
                 spec = self.plan.nodes[base.name].output_specs[0]
                 for m in c.moves:

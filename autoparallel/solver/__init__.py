@@ -1,9 +1,9 @@
-"""Cost model, layout conversion and the sharding ILP. The planner that ties them to a
+"""Cost model, redistribution and the sharding ILP. The planner that ties them to a
 graph is :mod:`autoparallel.solver.planner`."""
 
 from .costs import PRESETS, CostModel, DevicePreset
 from .ilp import ILPEdge, ILPProblem, ILPSolution, solve
-from .layout import LayoutConverter, Move
+from .layout import Redistributor, Move
 
 __all__ = ["PRESETS", "CostModel", "DevicePreset", "ILPEdge", "ILPProblem", "ILPSolution", "solve",
-           "LayoutConverter", "Move"]
+           "Redistributor", "Move"]

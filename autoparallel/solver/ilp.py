@@ -7,7 +7,7 @@ grouped into spec classes on each side of an edge and the quadratic term
 ``x_uᵀ R x_v`` is linearized with one variable ``y[o, i]`` per pair of classes:
 ``Σ_i y[o, i] = Σ_{s ∈ o} x_u[s]`` and ``Σ_o y[o, i] = Σ_{s ∈ i} x_v[s]``. With one-hot
 integral ``x`` these marginals force ``y`` to the product, so ``y`` can stay continuous
-in [0, 1]: only node variables are binary. Pairs with no conversion are left out, which
+in [0, 1]: only node variables are binary. Pairs with no redistribution are left out, which
 forbids them. Edges where one side has a single class fold into node costs.
 
 The LP relaxation is solved first; when every ``x`` comes out integral it is the ILP
@@ -93,7 +93,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
 
     Raises:
         InfeasiblePlanError: when no assignment satisfies the constraints (e.g. an edge
-            whose every conversion is impossible), naming the nodes involved.
+            whose every redistribution is impossible), naming the nodes involved.
     """
     t0 = time.perf_counter()
     lin, pair_edges = _fold_edges(problem)
@@ -121,7 +121,7 @@ def _fold_edges(problem: ILPProblem) -> tuple[list[list[float]], list[ILPEdge]]:
 
     Raises:
         InfeasiblePlanError: a node without strategies, or one whose every strategy needs
-            an impossible conversion.
+            an impossible redistribution.
     """
     name = (lambda v: problem.names[v]) if problem.names else str
     for v, costs in enumerate(problem.node_costs):
@@ -145,7 +145,7 @@ def _fold_edges(problem: ILPProblem) -> tuple[list[list[float]], list[ILPEdge]]:
         if all(math.isinf(c) for c in lin[v]):
             others = ", ".join(name(u) for u in blocked.get(v, []))
             raise InfeasiblePlanError(
-                f"every strategy of node {name(v)} needs an impossible layout conversion "
+                f"every strategy of node {name(v)} needs an impossible redistribution "
                 f"(to or from: {others or 'unknown'})")
     return lin, pair_edges
 

@@ -1,4 +1,4 @@
-"""Layout conversion: the cheapest sequence of one-step moves between two specs.
+"""Redistribution: the cheapest sequence of one-step moves between two specs.
 
 Moves, each along one mesh axis ``a``:
 
@@ -38,8 +38,8 @@ _CONJUGATE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "a
 _LOCAL_MOVE_COST = 1e-9  # local slices/masks are free but should not be taken for nothing
 
 
-class LayoutConverter:
-    """Memoized shortest conversion paths between specs of tensors of one mesh.
+class Redistributor:
+    """Memoized shortest redistribution paths between specs of tensors of one mesh.
 
     Args:
         cost_model: a bound :class:`CostModel` (its mesh gives axis sizes, alpha, beta).
@@ -117,9 +117,9 @@ class LayoutConverter:
         self._memo[key] = best
         return best
 
-    def convert(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool
+    def redistribute(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool
                 ) -> tuple[float, tuple[Move, ...]]:
-        """``(seconds, moves)`` of the cheapest conversion; ``(inf, ())`` when impossible."""
+        """``(seconds, moves)`` of the cheapest redistribution; ``(inf, ())`` when impossible."""
         if src == dst:
             return 0.0, ()
         return self.paths_from(shape, itemsize, is_float, src, requires_grad).get(dst, (float("inf"), ()))

@@ -14,8 +14,8 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * forward values (temporaries), from their node's forward step to their last forward use;
 * activations saved for backward, from the forward of their first saver to the backward
   of that saver (savers run backward in reverse order, so the first is the last to
-  free them), under the spec in which the saver sees them (a converted input, e.g. an
-  all-gathered activation, is saved as converted);
+  free them), under the spec in which the saver sees them (a redistributed input, e.g. an
+  all-gathered activation, is saved as redistributed);
 * tensors an op saves that are not graph values (LayerNorm's mean and rstd, SDPA's
   logsumexp, dropout masks), with the saver, scaled like its first output;
 * activation gradients, from the backward of the value's last consumer to the backward
@@ -29,7 +29,7 @@ tensors are matched to the op's inputs and outputs by storage, then to the graph
 owning those storages (through views, in-place ops and getitems). An op that cannot run
 alone on FakeTensors is assumed to save every input that needs a gradient. The model
 ignores allocator fragmentation and the workspace of kernels; collectives' buffers count
-as the converted tensors they produce.
+as the redistributed tensors they produce.
 """
 
 from __future__ import annotations

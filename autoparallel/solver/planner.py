@@ -14,7 +14,7 @@ import torch.fx as fx
 from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape
 from ..errors import InfeasiblePlanError
-from ..plan import Conversion, NodePlan, Plan
+from ..plan import Redistribution, NodePlan, Plan
 from ..graph import aliased_input, is_view, layer_of, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
@@ -24,7 +24,7 @@ from .ilp import ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
 from .rotor import InfeasibleBudget, solve as rotor_solve
-from .layout import LayoutConverter
+from .layout import Redistributor
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -92,7 +92,7 @@ class Planner:
         self.aliases = aliases
         self.mesh = mesh
         self.cm = cost_model.bind(mesh)
-        self.layout = LayoutConverter(self.cm)
+        self.layout = Redistributor(self.cm)
         self.param_names = param_names
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
@@ -129,16 +129,16 @@ class Planner:
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
 
-    def _convert(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
+    def _redistribute(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
         shape, dtype = node_info(val[0]).outputs[val[1]]
-        return self.layout.convert(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
+        return self.layout.redistribute(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
 
     def _edge_cost(self, key, val, rg, src: Spec, dst: Spec) -> float:
-        """Conversion seconds on edge ``key`` = (consumer, input, producer, output index);
+        """Redistribution seconds on edge ``key`` = (consumer, input, producer, output index);
         impossible on edges into in-place ops and their view chains (see aliased_edges)."""
         if src != dst and (key[0], key[1]) in self._pinned:
             return math.inf
-        return self._convert(val, rg, src, dst)[0]
+        return self._redistribute(val, rg, src, dst)[0]
 
     def _edges(self):
         """(consumer node, or None for the graph output; input position; value; requires_grad)."""
@@ -416,18 +416,18 @@ class Planner:
                 node.name, op_name(node), info.module_path,
                 [tuple(x.meta["val"].shape) for _, x in tensor_inputs(node)] if node.op == "call_function" else [],
                 [sh for sh, _ in info.outputs], list(s.inputs), list(s.outputs), compute, comm, mem)
-        conversions = []
+        redistributions = []
         repl = (R,) * self.mesh.ndim
         for consumer, j, (u, idx), rg in meta:
             src = choice[u].outputs[idx]
             dst = repl if consumer is None else choice[consumer].inputs[j]
             if src == dst:
                 continue
-            cost, moves = self._convert((u, idx), rg, src, dst)
+            cost, moves = self._redistribute((u, idx), rg, src, dst)
             if math.isinf(cost):
-                raise RuntimeError(f"no conversion {src} -> {dst} for {u.name}")
+                raise RuntimeError(f"no redistribution {src} -> {dst} for {u.name}")
             name = "output" if consumer is None else consumer.name
-            conversions.append(Conversion(u.name, idx, name, j, node_info(u).outputs[idx][0], list(moves), cost))
+            redistributions.append(Redistribution(u.name, idx, name, j, node_info(u).outputs[idx][0], list(moves), cost))
             if consumer is not None:
                 nodes[name].comm_s += cost
         params = {}
@@ -437,7 +437,7 @@ class Planner:
                     params[name] = choice[node].outputs[0]
         memory = self.memory.estimate(choice).as_dict() if self.memory is not None else None
         compute = sum(n.compute_s for n in nodes.values())
-        comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in conversions if c.dst == "output")
+        comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in redistributions if c.dst == "output")
         # one bucketed gradient all-reduce per mesh axis that replicates some parameter: its latency
         for a in range(self.mesh.ndim):
             if any(n.op == "get_attr" and n.output_specs[0][a] == R and self.mesh.shape[a] > 1
@@ -447,12 +447,12 @@ class Planner:
         if memory:
             estimate["peak_memory_bytes"] = memory["peak_bytes"]
             estimate["memory"] = memory
-        return Plan(self.mesh, nodes, conversions, params, estimate)
+        return Plan(self.mesh, nodes, redistributions, params, estimate)
 
 
 def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
     """(consumer, input position) edges that must not be resharded: the written argument of
-    an in-place op, and every view edge back to the tensor it aliases. A conversion there
+    an in-place op, and every view edge back to the tensor it aliases. A redistribution there
     would make the op write into a copy, silently losing the mutation."""
     pinned = set()
     for node in nodes:
