@@ -185,6 +185,28 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             unreadable ``memory_budget``, an unknown ``solver``, ``parallelism`` or
             ``optimizer``, a ``time_limit`` that is not positive.
     """
+    mesh = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model)
+    check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
+                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                             memory_budget=memory_budget, optimizer=optimizer, device=device,
+                             stamp_layers=stamp_layers)
+    t0 = time.perf_counter()
+    traced = _trace(model, meta_inputs, stamp_layers)
+    t_trace = time.perf_counter() - t0
+    p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
+                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                     memory_budget=memory_budget, optimizer=optimizer, device=device)
+    p.solver_stats["trace_s"] = t_trace
+    return p
+
+
+def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> MeshSpec:
+    """The :class:`MeshSpec` :func:`plan` plans for, from ``mesh_shape``, ``mesh_spec`` (or its
+    deprecated name ``mesh``) or a profiled ``cost_model``; checks ``model`` and ``meta_inputs``.
+
+    Raises:
+        TypeError, ValueError: as listed by :func:`plan`.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if not isinstance(meta_inputs, (dict, tuple, list)):
@@ -198,22 +220,10 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         raise ValueError("plan() needs one of mesh_shape=(...) and mesh_spec=MeshSpec(...), "
                          + ("not both" if mesh is not None else "got neither"))
     if mesh is None:
-        mesh = MeshSpec(mesh_shape_tuple(mesh_shape, "mesh_shape"))
-    elif not isinstance(mesh, MeshSpec):
+        return MeshSpec(mesh_shape_tuple(mesh_shape, "mesh_shape"))
+    if not isinstance(mesh, MeshSpec):
         raise TypeError(f"{keyword} must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
-    check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
-                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
-                             memory_budget=memory_budget, optimizer=optimizer, device=device,
-                             stamp_layers=stamp_layers)
-    t0 = time.perf_counter()
-    traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
-    t_trace = time.perf_counter() - t0
-    log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes), t_trace)
-    p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
-                     memory_budget=memory_budget, optimizer=optimizer, device=device)
-    p.solver_stats["trace_s"] = t_trace
-    return p
+    return mesh
 
 
 def _mesh_spec_keyword(mesh_spec, mesh):
@@ -307,6 +317,35 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers)
+    plan = _check_run(model, device_mesh, plan)
+    mesh, cost_model = _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir)
+    options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
+                   parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
+                   replicate_buffers=not model.training)
+    with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
+        traced = _trace(model, meta_inputs, stamp_layers)
+        if plan is None:
+            plan = _plan_on_rank0(traced, mesh, options)
+        else:
+            validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
+        recapture = _Recapture(model, mesh, device_mesh, options, stamp_layers=stamp_layers,
+                               keywords=isinstance(meta_inputs, dict), replan=replan)
+    pmodel = emit(model, traced, plan, device_mesh, check_batch_every=check_batch_every,
+                  bucket_cap_bytes=_bucket_cap_bytes(bucket_cap_mb))
+    pmodel.__dict__["_recapture"] = recapture
+    return pmodel
+
+
+def _check_run(model: nn.Module, device_mesh, plan) -> Plan | None:
+    """The checks of :func:`autoparallelize` that need no capture; returns ``plan`` read from
+    its JSON when given as text.
+
+    Raises:
+        TypeError: ``plan`` or ``device_mesh`` of the wrong type.
+        MeshMismatchError: no process group, or a mesh that does not span the world.
+        AutoParallelError: parameters on the meta device.
+    """
     if isinstance(plan, str):
         plan = Plan.from_json(plan)
     elif plan is not None and not isinstance(plan, Plan):
@@ -328,34 +367,35 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         raise AutoParallelError(f"autoparallelize needs the model's real weights, but {len(on_meta)} parameters "
                                 f"(e.g. {on_meta[0]}) are on the meta device; load or initialize them first, "
                                 "or use autoparallel.plan() to plan without weights")
+    return plan
+
+
+def _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir) -> tuple[MeshSpec, CostModel | None]:
+    """The :class:`MeshSpec` and cost model :func:`autoparallelize` plans with: with neither
+    given (and no plan), the mesh it runs on, profiled on first use by every rank and loaded
+    from the cache after (:func:`~autoparallel.profile.profile_mesh`); simulated ranks keep
+    the preset.
+
+    Raises:
+        MeshMismatchError: ``mesh_spec`` of another shape than ``device_mesh``.
+    """
     if cost_model is None and mesh_spec is None and plan is None and not _is_simulated():
-        # price the mesh it runs on: measured on first use (every rank), loaded from the cache after
         cost_model = CostModel.from_profile(profile_mesh(device_mesh, cache_dir=cache_dir or None))
         mesh_spec = cost_model.profile.mesh_spec(device_mesh.mesh_dim_names)
     mesh = mesh_spec or MeshSpec.from_device_mesh(device_mesh)
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
         raise MeshMismatchError(f"mesh_spec shape {mesh.shape} differs from the device mesh "
                                 f"{tuple(device_mesh.mesh.shape)}")
-    options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
-                   parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
-                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
-                   replicate_buffers=not model.training)
-    with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
-        t0 = time.perf_counter()
-        traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
-        log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
-                 time.perf_counter() - t0)
-        if plan is None:
-            p = _plan_on_rank0(traced, mesh, options)
-        else:
-            validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
-            p = plan
-        recapture = _Recapture(model, mesh, device_mesh, options, stamp_layers=stamp_layers,
-                               keywords=isinstance(meta_inputs, dict), replan=replan)
-    pmodel = emit(model, traced, p, device_mesh, check_batch_every=check_batch_every,
-                  bucket_cap_bytes=_bucket_cap_bytes(bucket_cap_mb))
-    pmodel.__dict__["_recapture"] = recapture
-    return pmodel
+    return mesh, cost_model
+
+
+def _trace(model: nn.Module, meta_inputs, stamp_layers: bool):
+    """The captured graph of ``model`` on ``meta_inputs`` (:class:`ColoTracer`), logged."""
+    t0 = time.perf_counter()
+    traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
+    log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
+             time.perf_counter() - t0)
+    return traced
 
 
 def _bucket_cap_bytes(bucket_cap_mb) -> int:
