@@ -44,7 +44,7 @@ log = logging.getLogger("autoparallel")
 
 
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
-                 share_blocks, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
+                 share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
                  pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False):
     """Plan a traced model. ``pinned`` (parameter/buffer name → spec, as in
     ``Plan.param_placements``) keeps each parameter's and buffer's ``get_attr`` node at that
@@ -53,7 +53,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     (a model planned in eval mode: in training mode it may write them back whole)."""
     cost_model = cost_model or CostModel()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_blocks": share_blocks,
+    options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
                "replicate_buffers": replicate_buffers}
     if pinned is not None:
@@ -94,7 +94,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     memory = MemoryModel(traced.gm, gen.aliases, mesh.shape, optimizer=optimizer, device=device,
                          traced_on=traced.device)
     t_memory = time.perf_counter() - t2
-    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_blocks=share_blocks,
+    planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_layers=share_layers,
                       memory=memory)
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     plan.estimate["costs"] = cost_model.describe()
@@ -134,9 +134,10 @@ def _pin(strategies, traced, pinned: dict[str, Spec], mesh_ndim: int) -> None:
 
 def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None,
          cost_model: CostModel | None = None, strict: bool = False, solver: str = "cbc",
-         time_limit: float = 60.0, parallelism: str = "auto", share_blocks: bool = True,
+         time_limit: float = 60.0, parallelism: str = "auto", share_layers: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
-         device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None) -> Plan:
+         device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None,
+         share_blocks: bool | None = None) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -156,7 +157,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         time_limit: seconds for the ILP solver.
         parallelism: ``"auto"`` (search everything) or ``"data"`` (parameters replicated:
             prices plain data parallelism under the same cost model).
-        share_blocks: one set of ILP variables for identical repeated blocks (layers).
+        share_layers: one set of ILP variables for identical repeated layers (``share_blocks``
+            is its deprecated name).
         cache_dir: plan cache folder; ``None`` for the default (``AUTOPARALLEL_CACHE_DIR``
             or ``~/.cache/autoparallel``), ``False`` for no cache (see :mod:`autoparallel.cache`).
         memory_budget: peak bytes per device the training step may use (an int, or a
@@ -186,15 +188,16 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             ``optimizer``, a ``time_limit`` that is not positive.
     """
     mesh = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model)
+    share_layers = _renamed("plan", "share_layers", share_layers, "share_blocks", share_blocks, True)
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
-                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                             parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
                              stamp_layers=stamp_layers)
     t0 = time.perf_counter()
     traced = _trace(model, meta_inputs, stamp_layers)
     t_trace = time.perf_counter() - t0
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
-                     time_limit=time_limit, parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                     time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                      memory_budget=memory_budget, optimizer=optimizer, device=device)
     p.solver_stats["trace_s"] = t_trace
     return p
@@ -213,7 +216,7 @@ def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> M
         raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
                         f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
     keyword = "mesh" if mesh is not None else "mesh_spec"  # the one the caller used, for errors
-    mesh = _mesh_spec_keyword(mesh_spec, mesh)
+    mesh = _renamed("plan", "mesh_spec", mesh_spec, "mesh", mesh)
     if mesh is None and mesh_shape is None and isinstance(cost_model, CostModel) and cost_model.profile:
         mesh = cost_model.profile.mesh_spec()  # the profiled mesh with its links' alpha and beta
     if (mesh is None) == (mesh_shape is None):
@@ -226,15 +229,19 @@ def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> M
     return mesh
 
 
-def _mesh_spec_keyword(mesh_spec, mesh):
-    """``mesh_spec``, or the deprecated ``mesh=`` keyword of :func:`plan` (with a warning)."""
-    if mesh is None:
-        return mesh_spec
-    warnings.warn("plan(mesh=...) is deprecated; pass mesh_spec=, the keyword autoparallelize() takes too",
-                  DeprecationWarning, stacklevel=3)
-    if mesh_spec is not None:
-        raise ValueError("plan(): give mesh_spec= only (mesh= is its deprecated name)")
-    return mesh
+def _renamed(fn: str, new_name: str, new, old_name: str, old, new_default=None):
+    """The value of keyword ``new_name`` of ``fn``, or of its deprecated name ``old_name`` when
+    that was given (with a DeprecationWarning).
+
+    Raises:
+        ValueError: both names given.
+    """
+    if old is None:
+        return new
+    warnings.warn(f"{fn}({old_name}=...) is deprecated; pass {new_name}=", DeprecationWarning, stacklevel=3)
+    if new is not new_default:
+        raise ValueError(f"{fn}(): give {new_name}= only ({old_name}= is its deprecated name)")
+    return old
 
 
 def coverage(model: nn.Module, meta_inputs, *, stamp_layers: bool = True) -> CoverageReport:
@@ -253,11 +260,12 @@ def _is_simulated() -> bool:
 
 def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: CostModel | None = None,
                     strict: bool = False, solver: str = "cbc", time_limit: float = 60.0,
-                    parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_blocks: bool = True,
+                    parallelism: str = "auto", mesh_spec: MeshSpec | None = None, share_layers: bool = True,
                     cache_dir=None, memory_budget: int | str | None = None,
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
                     replan: bool = False, check_batch_every: int = 100,
-                    plan: Plan | str | None = None, bucket_cap_mb: float = 25) -> ParallelModule:
+                    plan: Plan | str | None = None, bucket_cap_mb: float = 25,
+                    share_blocks: bool | None = None) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -280,7 +288,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: the profile's, see ``cost_model``, or
             :class:`MeshSpec` defaults).
-        share_blocks / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
+        share_layers / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
         replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
             values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
             batch of an epoch), capture and plan the model again for them, with every
@@ -314,13 +322,14 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             ``replan=True`` or a new mode, also from a call; AutoParallelError there when the
             new capture reads other parameters than the first).
     """
+    share_layers = _renamed("autoparallelize", "share_layers", share_layers, "share_blocks", share_blocks, True)
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
-                             parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                             parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers)
     plan = _check_run(model, device_mesh, plan)
     mesh, cost_model = _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir)
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
-                   parallelism=parallelism, share_blocks=share_blocks, cache_dir=cache_dir,
+                   parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                    memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
                    replicate_buffers=not model.training)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks

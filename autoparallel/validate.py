@@ -318,7 +318,7 @@ def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
 
 
 def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", time_limit=60.0, parallelism="auto",
-                             share_blocks=True, cache_dir=None, memory_budget=None, optimizer=DEFAULT_OPTIMIZER,
+                             share_layers=True, cache_dir=None, memory_budget=None, optimizer=DEFAULT_OPTIMIZER,
                              device="cpu", stamp_layers=True) -> None:
     """Check the planning options shared by :func:`autoparallel.plan` and
     :func:`autoparallel.autoparallelize` (meanings there), before any work is done.
@@ -330,7 +330,7 @@ def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", tim
     """
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be an autoparallel.CostModel (or None for the default), not {cost_model!r}")
-    for name, v in (("strict", strict), ("share_blocks", share_blocks), ("stamp_layers", stamp_layers)):
+    for name, v in (("strict", strict), ("share_layers", share_layers), ("stamp_layers", stamp_layers)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be True or False, not {v!r}")
     if solver not in SOLVERS:

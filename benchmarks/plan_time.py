@@ -52,7 +52,7 @@ def run(name, solver, share, stamp):
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_shape=mesh, solver=solver,
-                             share_blocks=share, cache_dir=False, time_limit=300,
+                             share_layers=share, cache_dir=False, time_limit=300,
                              stamp_layers=stamp)
     return plan, time.perf_counter() - t0, target, model, (b, s), mesh
 

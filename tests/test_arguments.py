@@ -59,7 +59,7 @@ def test_meshspec_accepts_int_numpy_and_torch_sizes():
     ({"mesh_shape": 2, "time_limit": "60"}, TypeError, "time_limit must be a number of seconds, not '60'"),
     ({"mesh_shape": 2, "parallelism": "tensor"}, ValueError, "parallelism must be 'auto' or 'data', not 'tensor'"),
     ({"mesh_shape": 2, "strict": "yes"}, TypeError, "strict must be True or False, not 'yes'"),
-    ({"mesh_shape": 2, "share_blocks": None}, TypeError, "share_blocks must be True or False"),
+    ({"mesh_shape": 2, "share_layers": None}, TypeError, "share_layers must be True or False"),
     ({"mesh_shape": 2, "stamp_layers": 1}, TypeError, "stamp_layers must be True or False"),
     ({"mesh_shape": 2, "cache_dir": True}, TypeError, "cache_dir must be a folder .* not True"),
     ({"mesh_shape": 2, "memory_budget": -5}, ValueError, "memory budget must be positive, got -5"),
@@ -130,3 +130,6 @@ def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
     assert old.nodes == new.nodes and old.redistributions == new.redistributions
     with pytest.raises(ValueError, match="mesh_spec= only"):
         plan(model, inputs, mesh=MeshSpec((2,)), mesh_spec=MeshSpec((2,)), cache_dir=False)
+    with pytest.warns(DeprecationWarning, match="share_layers="):
+        unshared = plan(model, inputs, mesh_shape=(2,), share_blocks=False, cache_dir=False)
+    assert unshared.solver_stats["shared_nodes"] == 0

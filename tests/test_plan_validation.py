@@ -66,7 +66,7 @@ def _solved(make, mesh_shape, budget_frac=None, **kw):
     model, inputs = make()
     traced = ColoTracer().trace(model, inputs)
     kw = {"cost_model": CPU, "strict": False, "solver": "cbc", "time_limit": 30, "parallelism": "auto",
-          "share_blocks": True, "cache_dir": False, **kw}
+          "share_layers": True, "cache_dir": False, **kw}
     plan = autoparallel.api._plan_traced(traced, autoparallel.MeshSpec(mesh_shape), **kw)
     if budget_frac is not None:
         budget = int(budget_frac * plan.estimate["peak_memory_bytes"])
@@ -413,7 +413,7 @@ def test_cache_ignores_a_plan_that_moves_a_pinned_parameter(tmp_path, caplog):
     def plan(cache_dir, pinned=None):
         return autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2,)), cost_model=ShardParams("cpu"),
                                              strict=False, solver="cbc", time_limit=10, parallelism="auto",
-                                             share_blocks=True, cache_dir=cache_dir, pinned=pinned)
+                                             share_layers=True, cache_dir=cache_dir, pinned=pinned)
 
     sharded = plan(tmp_path / "free")
     pinned = {name: (Replicate(),) for name in sharded.param_placements}

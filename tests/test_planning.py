@@ -195,7 +195,7 @@ def test_block_sharing_loses_nothing(name, cost):
     inputs = {k: torch.empty(32, 32, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
     kw = dict(mesh_shape=(2, 2), cache_dir=False, cost_model=cost("cpu"))
     shared = autoparallel.plan(model, inputs, **kw)
-    full = autoparallel.plan(model, inputs, share_blocks=False, **kw)
+    full = autoparallel.plan(model, inputs, share_layers=False, **kw)
     assert shared.solver_stats["shared_nodes"] > 0 and full.solver_stats["shared_nodes"] == 0
     assert shared.solver_stats["binary_vars"] < full.solver_stats["binary_vars"]
     assert shared.estimate["step_time_s"] == pytest.approx(full.estimate["step_time_s"], rel=1e-9)

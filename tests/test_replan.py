@@ -107,7 +107,7 @@ def test_a_pin_no_strategy_keeps_names_the_parameter():
 
     def plan(pinned):
         return autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2,)), cost_model=None, strict=False,
-                                             solver="cbc", time_limit=10, parallelism="auto", share_blocks=True,
+                                             solver="cbc", time_limit=10, parallelism="auto", share_layers=True,
                                              cache_dir=False, pinned=pinned)
 
     pinned = {name: (S(0),) for name in traced.params}

@@ -79,14 +79,14 @@ class Planner:
         mesh: the MeshSpec.
         cost_model: a :class:`CostModel` (bound to ``mesh`` here).
         param_names: graph target → all names of that parameter/buffer.
-        share_blocks: give identical repeated layers one set of ILP variables
+        share_layers: give identical repeated layers one set of ILP variables
             (:mod:`autoparallel.solver.shared_layers`).
         memory: the step's :class:`~autoparallel.solver.memory.MemoryModel` (peak memory
             estimate and budget rows); ``None`` to leave memory out.
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
-                 share_blocks: bool = True, memory: MemoryModel | None = None):
+                 share_layers: bool = True, memory: MemoryModel | None = None):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -99,7 +99,7 @@ class Planner:
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
         self._layer = {n: layer_of(n) for n in self.nodes}
         self._pinned = aliased_edges(self.nodes)
-        self.template = layer_templates(self.nodes, strategies) if share_blocks else {n: n for n in self.nodes}
+        self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}
         self.memory = memory
 
     # ------------------------------------------------------------ pricing
