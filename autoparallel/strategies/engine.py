@@ -6,11 +6,11 @@ normalizes or slices over). A label shared by inputs and output is a parallel di
 splitting it splits all those tensors alike. A label in ``reduce`` appears in inputs
 only and is summed over (the ``k`` of a matmul): splitting it leaves each device with a
 partial sum, so the output is ``Partial`` (and inputs that lack the label, e.g. a bias
-added after the sum, must be ``Partial`` too). ``partial`` lists groups of inputs in
-which the op is linear: when exactly those inputs are ``Partial`` along a mesh axis (the
+added after the sum, must be ``Partial`` too). ``partial`` lists linear sets: sets of inputs
+in which the op is linear: when exactly those inputs are ``Partial`` along a mesh axis (the
 rest replicated), the output is ``Partial`` along it.
 
-Enumeration assigns to every mesh axis either nothing, one label, or one partial group,
+Enumeration assigns to every mesh axis either nothing, one label, or one linear set,
 and keeps assignments where every split dim divides evenly. This is the einsum view of
 sharding that Alpa (arXiv 2201.12023, §4.1) and the SPMD partitioners build on; one
 engine covers matmuls, pointwise ops, views and reductions.
@@ -54,7 +54,7 @@ class DimMap:
         inputs / outputs: per tensor, one label (or ``None``) per dim.
         in_shapes / out_shapes: the global shapes, used for the divisibility check.
         reduce: labels summed over by the op.
-        partial: groups of input positions in which the op is linear.
+        partial: linear sets: tuples of input positions in which the op is linear.
         factors: input positions that scale the summed terms (a class weight, a loss
             weight): replicated along a split ``reduce`` label they lack, where a bias
             added after the sum would be ``Partial``.
@@ -87,7 +87,7 @@ def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozense
                 spec.append(R)
             else:
                 return None  # an output cannot be replicated over a split dim it lacks
-        else:  # partial group
+        else:  # a linear set: Partial in, Partial out
             spec.append(P if (not is_input or pos in val) else R)
     return tuple(spec)
 
