@@ -34,7 +34,7 @@ from .plan import Plan
 from .profile import profile_mesh
 from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, parse_bytes
-from .solver.planner import Planner
+from .solver.planner import Planner, written_back_outputs
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
@@ -45,17 +45,19 @@ log = logging.getLogger("autoparallel")
 
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
-                 pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False):
-    """Plan a traced model. ``pinned`` (parameter/buffer name → spec, as in
-    ``Plan.param_placements``) keeps each parameter's and buffer's ``get_attr`` node at that
-    spec; raises AutoParallelError when one is missing or has no such strategy.
+                 pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False,
+                 outputs: str = "sharded"):
+    """Plan a traced model (``outputs``: as :func:`plan` takes it). ``pinned`` (parameter/buffer
+    name → spec, as in ``Plan.param_placements``) keeps each parameter's and buffer's
+    ``get_attr`` node at that spec; raises AutoParallelError when one is missing or has no
+    such strategy.
     ``replicate_buffers`` plans every buffer replicated, not only those the forward writes
     (a model planned in eval mode: in training mode it may write them back whole)."""
     cost_model = cost_model or CostModel()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
-               "replicate_buffers": replicate_buffers}
+               "replicate_buffers": replicate_buffers, "outputs": outputs}
     if pinned is not None:
         options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
     folder = cache.cache_path(cache_dir)
@@ -91,11 +93,12 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     names = dict(traced.params)
     names.update(traced.buffers)
     t2 = time.perf_counter()
+    whole = written_back_outputs(traced.gm, traced.buffer_mutations)  # returned whole, to be written back
     memory = MemoryModel(traced.gm, gen.aliases, mesh.shape, optimizer=optimizer, device=device,
-                         traced_on=traced.device)
+                         traced_on=traced.device, outputs=outputs, whole_outputs=whole)
     t_memory = time.perf_counter() - t2
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_layers=share_layers,
-                      memory=memory)
+                      memory=memory, outputs=outputs, whole_outputs=whole)
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     plan.estimate["costs"] = cost_model.describe()
     st = plan.solver_stats
@@ -137,7 +140,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
          time_limit: float = 60.0, parallelism: str = "auto", share_layers: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
          device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None,
-         share_blocks: bool | None = None) -> Plan:
+         share_blocks: bool | None = None, outputs: str = "sharded") -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -172,6 +175,12 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         stamp_layers: capture a deep stack of identical layers by tracing four of them and
             copying the rest (:mod:`autoparallel.tracer.stamp`: guarded, falls back to a full
             capture); ``False`` traces every layer.
+        outputs: how the module returns the model's outputs. ``"sharded"`` (default): each
+            in the placement its producer computes it in, pending sums reduced, so a
+            language model's logits stay split (the module returns a DTensor;
+            ``.full_tensor()`` gathers it on demand) while a 0-d loss comes back whole;
+            ``"replicated"``: every output whole on every device. The plan prices exactly
+            this (docs/design.md, "Outputs").
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
@@ -184,21 +193,21 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             sequence of ints (:func:`autoparallel.validate.check_planning_arguments`).
         ValueError: neither (unless ``cost_model`` is profiled) or both of ``mesh_shape`` and
             ``mesh_spec``, a mesh shape other than a profiled ``cost_model``'s, a mesh axis below 1, an
-            unreadable ``memory_budget``, an unknown ``solver``, ``parallelism`` or
-            ``optimizer``, a ``time_limit`` that is not positive.
+            unreadable ``memory_budget``, an unknown ``solver``, ``parallelism``,
+            ``optimizer`` or ``outputs``, a ``time_limit`` that is not positive.
     """
     mesh = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model)
     share_layers = _renamed("plan", "share_layers", share_layers, "share_blocks", share_blocks, True)
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
-                             stamp_layers=stamp_layers)
+                             stamp_layers=stamp_layers, outputs=outputs)
     t0 = time.perf_counter()
     traced = _trace(model, meta_inputs, stamp_layers)
     t_trace = time.perf_counter() - t0
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
-                     memory_budget=memory_budget, optimizer=optimizer, device=device)
+                     memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs)
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -265,7 +274,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
                     replan: bool = False, check_batch_every: int = 100,
                     plan: Plan | str | None = None, bucket_cap_mb: float = 25,
-                    share_blocks: bool | None = None) -> ParallelModule:
+                    share_blocks: bool | None = None, outputs: str = "sharded") -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -289,6 +298,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         mesh_spec: alpha/beta per mesh axis (default: the profile's, see ``cost_model``, or
             :class:`MeshSpec` defaults).
         share_layers / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
+        outputs: ``"sharded"`` (default) returns outputs the plan keeps split as DTensors
+            (``out.logits.full_tensor()`` for the whole value; a loss is a plain tensor),
+            ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
+            plan's own ``plan.outputs`` applies.
         replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
             values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
             batch of an epoch), capture and plan the model again for them, with every
@@ -325,13 +338,14 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     share_layers = _renamed("autoparallelize", "share_layers", share_layers, "share_blocks", share_blocks, True)
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
-                             memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers)
+                             memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers,
+                             outputs=outputs)
     plan = _check_run(model, device_mesh, plan)
     mesh, cost_model = _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir)
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                    parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                    memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
-                   replicate_buffers=not model.training)
+                   replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         traced = _trace(model, meta_inputs, stamp_layers)
         if plan is None:

@@ -15,7 +15,27 @@ from tabulate import tabulate
 from torch.distributed.tensor import Shard
 
 from .mesh import MeshSpec
-from .placement import Spec, spec_from_json, spec_str, spec_to_json
+from .placement import R, Spec, spec_from_json, spec_str, spec_to_json
+
+OUTPUTS = ("sharded", "replicated")
+"""How the module returns its outputs (the ``outputs=`` planning option): ``"sharded"`` in
+the placement of the value's producer with every pending sum reduced (:func:`returned_spec`),
+``"replicated"`` whole on every device."""
+
+
+def returned_spec(src: Spec, outputs: str, whole: bool = False) -> Spec:
+    """The placements a graph output produced in ``src`` is returned in: replicated when
+    ``outputs == "replicated"`` or ``whole`` (a buffer write-back), else ``src`` with each
+    ``Partial`` replaced by ``Replicate`` (a shard costs nothing, a pending sum is reduced).
+
+    Raises:
+        ValueError: ``outputs`` is not one of :data:`OUTPUTS`.
+    """
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be one of {', '.join(map(repr, OUTPUTS))}, not {outputs!r}")
+    if outputs == "replicated" or whole:
+        return (R,) * len(src)
+    return tuple(R if p.is_partial() else p for p in src)
 
 
 @dataclass(frozen=True)
@@ -265,6 +285,8 @@ class Plan:
             (:meth:`~autoparallel.solver.costs.CostModel.describe`: a preset or a measured profile).
         solver_stats: ILP size, times (s), status.
         checkpoint: the activation checkpointing, ``None`` when nothing is recomputed.
+        outputs: how outputs are returned, one of :data:`OUTPUTS` (:func:`returned_spec`);
+            plans saved without the field are ``"replicated"``, as they were made.
     """
 
     mesh: MeshSpec
@@ -274,6 +296,7 @@ class Plan:
     estimate: dict = field(default_factory=dict)
     solver_stats: dict = field(default_factory=dict)
     checkpoint: CheckpointPlan | None = None
+    outputs: str = "replicated"
 
     @property
     def collectives(self) -> list[dict]:
@@ -323,6 +346,7 @@ class Plan:
             "estimate": self.estimate,
             "solver_stats": self.solver_stats,
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else {},
+            "outputs": self.outputs,
         })
 
     @classmethod
@@ -341,7 +365,9 @@ class Plan:
             raise ValueError(f"a plan must be JSON text: {e}") from None
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
-        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint",))
+        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs"))
+        outputs = d.get("outputs", "replicated")  # plans saved before the field returned everything whole
+        _check(outputs in OUTPUTS, "plan", "outputs", " or ".join(map(repr, OUTPUTS)), outputs)
         _check(isinstance(d["mesh"], dict), "plan", "mesh", "an object", d["mesh"])
         _fields(d["mesh"], ("shape", "axis_names", "alpha", "beta"), "mesh")
         try:
@@ -377,7 +403,7 @@ class Plan:
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
-        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint)
+        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint, outputs)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -388,7 +414,8 @@ MOVE_KINDS = ("all_gather", "all_to_all", "slice", "all_reduce", "reduce_scatter
 _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_specs", "output_specs",
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
-_PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint")
+_PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
+                "outputs")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

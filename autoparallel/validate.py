@@ -18,7 +18,9 @@ What is checked (every field the emitted module depends on):
 * ``param_placements``: exactly the graph's parameter and buffer names (tied names
   included), each at the spec of its ``get_attr`` node;
 * redistributions: one per graph edge whose producer and consumer specs differ and none
-  elsewhere (the graph outputs are consumed replicated); each names its edge's producer,
+  elsewhere (a graph output is consumed in the placements
+  :func:`~autoparallel.plan.returned_spec` gives for the plan's ``outputs`` mode, buffer
+  write-backs replicated); each names its edge's producer,
   output index and shape, and its moves, each legal where it is applied (as
   :mod:`autoparallel.solver.layout` defines them), turn the producer's spec into the
   consumer's; no edge into an in-place op or its view chain is resharded;
@@ -45,12 +47,12 @@ from torch.distributed.tensor import Shard
 
 from .errors import PlanMismatchError
 from .placement import P, R, Spec, local_shape, shard_axes, spec_problem, spec_str
-from .plan import Move, Plan
+from .plan import OUTPUTS, Move, Plan, returned_spec
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, parse_bytes
 from .graph import output_leaves, tensor_inputs
-from .solver.planner import aliased_edges, op_name
+from .solver.planner import aliased_edges, op_name, written_back_outputs
 from .solver.remat import chain_stages
 from .strategies import StrategyGenerator
 from .tracer.annotate import node_info
@@ -112,7 +114,8 @@ def validate_plan(plan: Plan, traced, *, mesh_shape: Sequence[int] | None = None
         _check_node(plan, n, strategies, gen.aliases, ms, allowed)
     _check_mutated_buffers(plan, gm, traced)
     _check_params(plan, gm, strategies, traced)
-    _check_redistributions(plan, gm, strategies, gen.aliases, ms)
+    _check_redistributions(plan, gm, strategies, gen.aliases, ms,
+                           written_back_outputs(gm, traced.buffer_mutations))
     if plan.checkpoint:
         _check_checkpoint(plan, gm)
 
@@ -219,10 +222,12 @@ def _edges(gm: fx.GraphModule, strategies, aliases):
     return edges
 
 
-def _check_redistributions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms) -> None:
+def _check_redistributions(plan: Plan, gm: fx.GraphModule, strategies, aliases, ms, whole: frozenset[int]) -> None:
+    """Redistributions exactly on the edges whose specs differ, each turning its producer's
+    spec into its consumer's; graph output ``j`` is consumed in ``returned_spec`` of
+    ``plan.outputs`` (replicated where ``j`` is in ``whole``: buffer write-backs)."""
     edges = _edges(gm, strategies, aliases)
     pinned = {(n.name, j) for n, j in aliased_edges(list(strategies))}
-    repl = (R,) * len(ms)
     seen = {}
     for i, c in enumerate(plan.redistributions):
         where = f"redistributions[{i}] (into {c.dst} input {c.arg})"
@@ -240,7 +245,8 @@ def _check_redistributions(plan: Plan, gm: fx.GraphModule, strategies, aliases, 
             raise _mismatch(where, "shape", tuple(shape), tuple(c.shape))
     for key, (x, (u, idx), consumer) in edges.items():
         src = tuple(plan.nodes[x.name].output_specs[0])
-        dst = repl if consumer is None else tuple(plan.nodes[consumer.name].input_specs[key[1]])
+        dst = returned_spec(src, plan.outputs, key[1] in whole) if consumer is None \
+            else tuple(plan.nodes[consumer.name].input_specs[key[1]])
         where = f"input {key[1]} of {key[0]} (from {u.name}" + (f" output {idx})" if idx else ")")
         shape, dtype = node_info(u).outputs[idx]
         c = plan.redistributions[seen[key]] if key in seen else None
@@ -319,13 +325,13 @@ def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
 
 def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", time_limit=60.0, parallelism="auto",
                              share_layers=True, cache_dir=None, memory_budget=None, optimizer=DEFAULT_OPTIMIZER,
-                             device="cpu", stamp_layers=True) -> None:
+                             device="cpu", stamp_layers=True, outputs="sharded") -> None:
     """Check the planning options shared by :func:`autoparallel.plan` and
     :func:`autoparallel.autoparallelize` (meanings there), before any work is done.
 
     Raises:
         TypeError: an argument of the wrong type (named, with the value given and what was expected).
-        ValueError: an unknown ``solver``, ``parallelism`` or ``optimizer``, a ``time_limit``
+        ValueError: an unknown ``solver``, ``parallelism``, ``optimizer`` or ``outputs``, a ``time_limit``
             that is not positive and finite, an unreadable or non-positive ``memory_budget``.
     """
     if cost_model is not None and not isinstance(cost_model, CostModel):
@@ -354,5 +360,7 @@ def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", tim
     if optimizer not in OPTIMIZER_STATES:
         choices = ", ".join(map(repr, sorted(OPTIMIZER_STATES)))
         raise ValueError(f"optimizer must be one of {choices}, not {optimizer!r}")
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be {' or '.join(map(repr, OUTPUTS))}, not {outputs!r}")
     if not isinstance(device, str):
         raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', not {device!r}")

@@ -76,7 +76,7 @@ def test_batch_shards_draw_independent_masks(mesh_shape, sim_mesh):
     model, x = Drop(), torch.randn(64, 64)
     with LocalTensorMode(frozenset(range(mesh.size()))):
         pmodel = autoparallel.autoparallelize(model, (x.to("meta"),), device_mesh=mesh, cost_model=CPU,
-                                              cache_dir=False)
+                                              cache_dir=False, outputs="replicated")  # y whole
         spec = dropout_spec(pmodel)
         parts = blocks(x.shape, spec, mesh_shape)
         assert len(parts) == mesh.size(), f"the batch should be split over every device, got {spec}"
@@ -116,7 +116,7 @@ def test_replicated_tensor_draws_one_mask(mesh_shape, sim_mesh):
     model, x = WeightDrop(), torch.randn(64, 32)
     with LocalTensorMode(frozenset(range(mesh.size()))):
         pmodel = autoparallel.autoparallelize(model, (x.to("meta"),), device_mesh=mesh, cost_model=CPU,
-                                              parallelism="data", cache_dir=False)
+                                              parallelism="data", cache_dir=False, outputs="replicated")
         assert all(p == Replicate() for p in dropout_spec(pmodel))
         torch.manual_seed(1)
         out, wd = pmodel(x)
@@ -179,7 +179,7 @@ def test_backward_goes_through_the_same_mask(mesh_shape, sim_mesh):
     g = F.gelu(model.l1(x)).detach()
     with LocalTensorMode(frozenset(range(mesh.size()))):
         pmodel = autoparallel.autoparallelize(model, (x.to("meta"),), device_mesh=mesh, cost_model=CPU,
-                                              cache_dir=False)
+                                              cache_dir=False, outputs="replicated")  # y whole
         torch.manual_seed(1)
         y = pmodel(x)
         (y * c).sum().backward()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -120,6 +121,9 @@ class Variant:
         input_meta: per flattened input, global ``(shape, dtype)`` or ``(None, value)``.
         buffer_mutations: flat output index → buffer the forward updates (written back).
         training: the module mode the graph was captured in (dropout, BatchNorm).
+        returned: per flat output, ``(placements, global shape)`` of a value the graph returns
+            sharded (returned as a DTensor), else ``None`` (the output node's ``meta["returned"]``,
+            set by :func:`~autoparallel.passes.apply_plan`).
     """
 
     graph_module: fx.GraphModule
@@ -129,6 +133,7 @@ class Variant:
     input_meta: list
     buffer_mutations: dict[int, str]
     training: bool = True
+    returned: list = field(default_factory=list)
 
     @property
     def key(self) -> tuple[bool, Signature]:
@@ -143,9 +148,11 @@ class ParallelModule(nn.Module):
     ``clip_grad_norm_`` and ``state_dict()`` work unchanged; ``load_state_dict`` also takes
     a plain state dict (full tensors, e.g. the model's own or pretrained weights) and
     shards it like the module's parameters (rank 0's values). Inputs are the global batch,
-    the same on every rank (checked, see ``check_batch_every``); outputs are whole
-    (replicated) tensors in the model's output structure (e.g. a Hugging Face
-    ``ModelOutput``). Buffers the forward updates in place (BatchNorm's running statistics)
+    the same on every rank (checked, see ``check_batch_every``); outputs come in the model's
+    output structure (e.g. a Hugging Face ``ModelOutput``): plain whole tensors where the
+    plan returns them replicated (a loss; every output under ``outputs="replicated"``),
+    DTensors in the plan's placements where it returns them sharded (``.full_tensor()``
+    gives the whole value). Buffers the forward updates in place (BatchNorm's running statistics)
     are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
     the buffers' local tensors after every forward.
 
@@ -247,8 +254,9 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"a re-planned graph must keep every parameter where the module holds it; "
                                  f"{moved[0]} is placed {plan.param_placements[moved[0]]}, not "
                                  f"{self.plan.param_placements[moved[0]]}")
+        out = next(n for n in reversed(graph_module.graph.nodes) if n.op == "output")
         variant = Variant(graph_module, plan, in_spec, out_spec, list(input_meta), mutations,
-                          self.training if training is None else training)
+                          self.training if training is None else training, out.meta.get("returned", []))
         if not self._variants:
             self.plan = plan
             self.__dict__["graph_module"] = graph_module  # not a submodule: parameters listed once, by model names
@@ -309,7 +317,18 @@ class ParallelModule(nn.Module):
                     buf = get_attr(self, target)  # replicated (planned so): every device holds it whole
                     (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(outs[i])
             outs = [o for i, o in enumerate(outs) if i not in variant.buffer_mutations]
+        # buffer write-backs come after the user's outputs and are whole: indices agree
+        outs = [self._as_dtensor(o, r) if r else o for o, r in zip(outs, variant.returned)] + \
+            list(outs[len(variant.returned):])
         return pytree.tree_unflatten(list(outs), variant.out_spec)
+
+    def _as_dtensor(self, local: torch.Tensor, returned) -> DTensor:
+        """A value the graph returns sharded, as the DTensor of ``returned`` = (placements,
+        global shape) over the module's mesh: ``.full_tensor()`` gives it whole."""
+        spec, shape = returned
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))  # contiguous, as on one device
+        return DTensor.from_local(local, self.device_mesh, list(spec), run_check=False, shape=torch.Size(shape),
+                                  stride=stride)
 
 
 def _distribute(tensor: torch.Tensor, device_mesh, spec) -> DTensor:

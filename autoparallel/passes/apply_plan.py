@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import enum
 import keyword
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -348,18 +349,35 @@ class _PerDeviceGraph:
             self.comment(since, f"{np_.module_path + ': ' if np_.module_path else ''}{ins} -> {outs}")
 
     def output(self, node: fx.Node) -> None:
-        """The returned values: whole (replicated) tensors, their gradient seeded once."""
-        returned_leaves = output_leaves(node)
-        outs = []
+        """The returned values, each redistributed as the plan says (to the placements
+        :func:`~autoparallel.plan.returned_spec` gives), a floating one through
+        :func:`returned` with the number of devices that hold it whole (its gradient is
+        seeded in full on each). The output node's ``meta["returned"]`` holds, per flat
+        output, ``(placements, global shape)`` of a value returned sharded, else ``None``."""
+        leaves = output_leaves(node)
+        outs, returned_as, j = [], [], 0  # j: index among the returned tensors (output_leaves)
         for x in pytree.tree_leaves(node.args[0]):
-            if x not in returned_leaves:
+            if j >= len(leaves) or x is not leaves[j]:
                 outs.append(self.env[x] if isinstance(x, fx.Node) else x)
+                returned_as.append(None)
                 continue
-            y = self.redistributed("output", returned_leaves.index(x), x)
+            y = self.redistributed("output", j, x)
+            spec = self.returned_spec(j, x)
             if x.meta["val"].dtype.is_floating_point:
-                y = self.graph.call_function(returned, (y, self.world_size))
+                copies = math.prod(n for n, p in zip(self.plan.mesh.shape, spec) if p == R)
+                y = self.graph.call_function(returned, (y, copies))
             outs.append(y)
-        self.graph.output(tuple(outs))
+            returned_as.append(None if all(p == R for p in spec) else (spec, tuple(x.meta["val"].shape)))
+            j += 1
+        self.graph.output(tuple(outs)).meta["returned"] = returned_as
+
+    def returned_spec(self, j: int, x: fx.Node) -> Spec:
+        """The placements returned value ``j`` (node ``x``) has after its redistribution."""
+        spec = self.plan.nodes[x.name].output_specs[0]
+        c = self.by_input.get(("output", j))
+        for m in c.moves if c is not None else ():
+            spec = _after(spec, m)
+        return spec
 
     def build(self) -> fx.Graph:
         """Parameters, then every traced node in order, then names (:func:`_named_copy`)."""

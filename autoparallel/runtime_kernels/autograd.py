@@ -3,8 +3,10 @@
 :func:`returned` carries the gradient convention of DESIGN §2 to the module's outputs: a
 replicated tensor's gradient is held as per-device partial sums (a parameter replicated
 along mesh axes gets its gradient all-reduced over them, :mod:`.grad_reduction`), so a
-value returned to the user, whose gradient every device seeds in full, has it divided by
-the number of devices.
+value returned to the user, whose gradient every device seeds in full (DTensor's
+convention for a replicated value), has it divided by the number of devices holding it
+whole: all of them for a replicated output, those along its replicated mesh axes for one
+returned sharded (a shard's gradient is exact).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def param_local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def returned(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Identity; the gradient that reaches it is divided by ``world_size``."""
-    if x.requires_grad and world_size > 1:
-        return _ScaleGrad.apply(x, 1.0 / world_size)
+def returned(x: torch.Tensor, copies: int) -> torch.Tensor:
+    """Identity; the gradient that reaches it is divided by ``copies``: the product of the
+    mesh sizes along the axes where the value is returned replicated (the number of devices
+    for a whole tensor; 1 for one sharded along every axis, whose local gradient is exact)."""
+    if x.requires_grad and copies > 1:
+        return _ScaleGrad.apply(x, 1.0 / copies)
     return x

@@ -19,7 +19,11 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * tensors an op saves that are not graph values (LayerNorm's mean and rstd, SDPA's
   logsumexp, dropout masks), with the saver, scaled like its first output;
 * activation gradients, from the backward of the value's last consumer to the backward
-  of its producer, under the value's spec.
+  of its producer, under the value's spec;
+* the values the module returns (kind ``outputs``), through the whole backward (the caller
+  holds them while it runs), at their returned size: under the placements
+  :func:`~autoparallel.plan.returned_spec` gives their producer's spec (whole logits
+  under ``outputs="replicated"``, a shard of them under ``"sharded"``).
 
 Which tensors autograd saves is measured, not guessed: each distinct op signature of the
 captured graph runs once, alone, on FakeTensors of the run device under
@@ -46,7 +50,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..placement import Spec, local_shape
-from ..graph import alias_source, tensor_inputs
+from ..plan import returned_spec
+from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 
@@ -57,7 +62,7 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 DEFAULT_OPTIMIZER = "adamw"
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "outputs")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -238,13 +243,16 @@ class MemoryModel:
         optimizer: a key of :data:`OPTIMIZER_STATES` (default AdamW).
         device: the device type the module will run on (selects kernels, e.g. SDPA's).
         traced_on: the device type the graph was captured on.
+        outputs / whole_outputs: how the module returns the graph's outputs, as
+            :class:`~autoparallel.solver.planner.Planner` takes them.
 
     Raises:
         ValueError: for an unknown optimizer.
     """
 
     def __init__(self, gm: fx.GraphModule, aliases, mesh_shape, *, optimizer: str = DEFAULT_OPTIMIZER,
-                 device: str = "cpu", traced_on: str = "meta"):
+                 device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
+                 whole_outputs: frozenset[int] = frozenset()):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
@@ -306,7 +314,22 @@ class MemoryModel:
                                   value=u))
             else:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
+        items += self._returned_items(gm, aliases, outputs, whole_outputs)
         self.items = items
+
+    def _returned_items(self, gm: fx.GraphModule, aliases, outputs: str, whole: frozenset[int]) -> list[Item]:
+        """The returned values, from the first backward step to the end, at returned size."""
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        items = []
+        for j, x in enumerate(output_leaves(out)):
+            u, i = aliases.get(x, (x, 0))
+            shape, dtype = node_info(u).outputs[i]
+
+            def size(s, shape=shape, dtype=dtype, i=i, j=j):
+                return _local_bytes(shape, dtype, returned_spec(s.outputs[i], outputs, j in whole), self.mesh_shape)
+
+            items.append(Item("outputs", u, len(self.nodes), self.steps - 1, size))
+        return items
 
     def _internal_size(self, node: fx.Node, nbytes: int) -> Callable[[Strategy], int]:
         outs = node_info(node).outputs

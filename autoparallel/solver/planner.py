@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape
 from ..errors import InfeasiblePlanError
-from ..plan import Redistribution, NodePlan, Plan
+from ..plan import Redistribution, NodePlan, Plan, returned_spec
 from ..graph import aliased_input, is_view, layer_of, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
@@ -83,10 +84,16 @@ class Planner:
             (:mod:`autoparallel.solver.shared_layers`).
         memory: the step's :class:`~autoparallel.solver.memory.MemoryModel` (peak memory
             estimate and budget rows); ``None`` to leave memory out.
+        outputs: how graph outputs are returned (:func:`~autoparallel.plan.returned_spec`):
+            ``"sharded"`` or ``"replicated"``.
+        whole_outputs: indices (in :func:`~autoparallel.graph.output_leaves` order) of outputs
+            returned replicated whatever ``outputs`` says: buffer write-backs
+            (:func:`written_back_outputs`).
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
-                 share_layers: bool = True, memory: MemoryModel | None = None):
+                 share_layers: bool = True, memory: MemoryModel | None = None, outputs: str = "replicated",
+                 whole_outputs: frozenset[int] = frozenset()):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -101,6 +108,11 @@ class Planner:
         self._pinned = aliased_edges(self.nodes)
         self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}
         self.memory = memory
+        self.outputs, self.whole_outputs = outputs, frozenset(whole_outputs)
+
+    def returned_spec(self, j: int, src: Spec) -> Spec:
+        """The placements graph output ``j``, produced in ``src``, is returned in."""
+        return returned_spec(src, self.outputs, j in self.whole_outputs)
 
     # ------------------------------------------------------------ pricing
     def _value(self, x: fx.Node) -> tuple[fx.Node, int]:
@@ -240,7 +252,7 @@ class Planner:
         priced once and counted once per layer."""
         tmpl, fmap, ilp = built.template, built.fmap, built.ilp
         out_g = len(ilp.node_costs) - 1
-        repl = (R,) * self.mesh.ndim
+        repl = (R,) * self.mesh.ndim  # the output group's one (nominal) strategy
         acc = {}
         for consumer, j, (u, idx), rg in built.edges:
             tc, tu = (tmpl[consumer] if consumer is not None else None), tmpl[u]
@@ -258,7 +270,10 @@ class Planner:
                 continue
             o_cls, o_list = _classes(src_specs)
             i_cls, i_list = _classes(dst_specs)
-            cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
+            if tc is None:  # a returned value: its target follows its source (returned_spec)
+                cost = [[self._edge_cost(key, (tu, idx), rg, o, self.returned_spec(j, o))] for o in o_list]
+            else:
+                cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
             acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
         for item, mult in acc.values():
             if item[0] == "internal":
@@ -417,10 +432,9 @@ class Planner:
                 [tuple(x.meta["val"].shape) for _, x in tensor_inputs(node)] if node.op == "call_function" else [],
                 [sh for sh, _ in info.outputs], list(s.inputs), list(s.outputs), compute, comm, mem)
         redistributions = []
-        repl = (R,) * self.mesh.ndim
         for consumer, j, (u, idx), rg in meta:
             src = choice[u].outputs[idx]
-            dst = repl if consumer is None else choice[consumer].inputs[j]
+            dst = self.returned_spec(j, src) if consumer is None else choice[consumer].inputs[j]
             if src == dst:
                 continue
             cost, moves = self._redistribute((u, idx), rg, src, dst)
@@ -447,7 +461,7 @@ class Planner:
         if memory:
             estimate["peak_memory_bytes"] = memory["peak_bytes"]
             estimate["memory"] = memory
-        return Plan(self.mesh, nodes, redistributions, params, estimate)
+        return Plan(self.mesh, nodes, redistributions, params, estimate, outputs=self.outputs)
 
 
 def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
@@ -463,6 +477,17 @@ def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
                 x = tensor_inputs(x)[j][1]
                 j = aliased_input(x) if is_view(x) else None
     return pinned
+
+
+def written_back_outputs(gm: fx.GraphModule, buffer_mutations: dict[int, str]) -> frozenset[int]:
+    """Indices in :func:`~autoparallel.graph.output_leaves` order of the outputs that are
+    buffer write-backs (``buffer_mutations``: flat output index → buffer, as
+    ``TracedModel.buffer_mutations``): returned whole, the module copies them into its
+    replicated buffers."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = pytree.tree_leaves(out.args[0])
+    tensors = [i for i, x in enumerate(flat) if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+    return frozenset(k for k, i in enumerate(tensors) if i in buffer_mutations)  # output_leaves' filter
 
 
 def _classes(specs: list[Spec]) -> tuple[list[int], list[Spec]]:

@@ -425,18 +425,18 @@ def forward(self, mesh_coord, input_ids, labels):
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
+    # S0(dp) S0(tp) -> S0(dp) S0(tp)
+    view_24 = torch.ops.aten.view.default(to_3, [32, 128])
     view_25 = torch.ops.aten.view.default(contiguous, [128]);  contiguous = None
     to_4 = torch.ops.aten.to.dtype_layout(view_25, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_25 = None
-    # output: redistribute to_3 S0(dp) S0(tp) -> R R
-    contiguous_26 = torch.ops.aten.contiguous.default(to_3);  to_3 = None
+    # redistribute view_24 S0(dp) S0(tp) -> R R
+    contiguous_26 = torch.ops.aten.contiguous.default(view_24);  view_24 = None
     all_gather_into_tensor_41 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_26, 2, Group.tp);  contiguous_26 = None
     wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_41);  all_gather_into_tensor_41 = None
     all_gather_into_tensor_42 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_32, 2, Group.dp);  wait_tensor_32 = None
-    to_3_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_42);  all_gather_into_tensor_42 = None
-    # redistribute view_24 S0(dp) S0(tp) -> R R, a view of to_3 redistributed
-    view_24_replicated = torch.ops.aten.reshape.default(to_3_replicated, [128, 128])
+    view_24_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_42);  all_gather_into_tensor_42 = None
     cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24_replicated, to_4);  view_24_replicated = to_4 = None
     returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
-    returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3_replicated, 4);  to_3_replicated = None
+    returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3, 1);  to_3 = None
     return (returned, returned_1)
     
