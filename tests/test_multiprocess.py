@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
@@ -115,11 +116,15 @@ def _worker(rank: int, port: int) -> None:
                 opt.zero_grad(set_to_none=True)
                 ref_opt.zero_grad(set_to_none=True)
                 batch = _batch(step)
-            loss = pmodel(**batch).loss
+            out, ref_out = pmodel(**batch), ref(**batch)
+            loss, ref_loss = out.loss, ref_out.loss
             loss.backward()
-            ref_loss = ref(**batch).loss
             ref_loss.backward()
             _check(rank, f"step {step}" + (" (after SGD)" if step else ""), loss, ref_loss, pmodel, ref_params)
+            if step == 0:  # the logits stay split (outputs="sharded"): a DTensor, gathered on demand
+                assert isinstance(out.logits, DTensor), type(out.logits)
+                torch.testing.assert_close(out.logits.full_tensor().detach(), ref_out.logits.detach(), rtol=1e-4,
+                                           atol=1e-5)
 
         # meshes listing ranks in another order: local slices in process-group order, as
         # collectives join pieces and distribute_tensor scatters parameter shards
