@@ -22,6 +22,13 @@ Formulas:
   1994) fitted to the measured times with ``B`` in the byte conventions above, so the ring
   factor is inside the fitted ``β``; where the measured table departs from the line by more
   than :data:`PROFILE_TOLERANCE` (relative), lookups interpolate the table instead.
+* communication overlapped with compute (:func:`exposed_comm_time`): launches served first
+  come first served by one link while the compute runs on; only the time by which the link
+  outlasts the compute is exposed (the makespan of a single machine with release dates,
+  ``1|r_j|C_max`` in the notation of Graham et al., Annals of Discrete Mathematics 1979,
+  which first come first served solves; e.g. Pinedo, "Scheduling: Theory, Algorithms, and
+  Systems", Springer). The planner uses it for the gradient buckets that the runtime
+  all-reduces during the backward (Li et al., VLDB 2020, §3.2-3.3).
 """
 
 from __future__ import annotations
@@ -383,6 +390,36 @@ class CommProfile:
         return cls.from_json(Path(path).read_text())
 
 
+def exposed_comm_time(launches) -> float:
+    """Seconds by which communication launched beside a stream of compute outlasts it.
+
+    Each launch queues its communication on one link, served first come first served, while
+    the compute goes on; the link is idle until the first launch. With ``g_i`` the
+    communication and ``c_i`` the compute of launch ``i`` (in launch order), the link
+    finishes ``max_k (r_k + Σ_{i≥k} g_i)`` where ``r_k = Σ_{i<k} c_i`` is the launch time
+    (the makespan of ``1|r_j|C_max`` in first-come order), and the compute ends at
+    ``Σ_i c_i``, so the exposed time is
+
+        ``max(0, max_k Σ_{i≥k} (g_i − c_i))``.
+
+    One launch with compute ``B`` after it gives ``max(0, G − B)``; the last launch is exposed
+    by at least ``g_last − c_last``: nothing overlaps what is launched after the compute.
+
+    Args:
+        launches: ``(g_i, c_i)`` per launch, in launch order: seconds of communication
+            launched, then seconds of compute that run after the launch and before the next
+            one (after the last one: until the compute ends).
+
+    Returns:
+        the exposed seconds (≥ 0).
+    """
+    exposed = tail = 0.0
+    for comm, compute in reversed(list(launches)):
+        tail += comm - compute
+        exposed = max(exposed, tail)
+    return exposed
+
+
 def _kib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.3g} KiB"
 
@@ -412,6 +449,12 @@ class CostModel:
     The mesh (with its per-axis alpha and beta) is bound by the planner through
     :meth:`bind`; subclasses may override any method.
     """
+
+    overlap_grad_reduction: bool = True
+    """Whether gradient reduction launched during the backward hides behind backward compute
+    (:func:`exposed_comm_time`), as the emitted runtime launches it; a subclass that sets it
+    to ``False`` prices every gradient all-reduce in full, as a runtime that reduces after
+    the backward would take."""
 
     def __init__(self, device: str | DevicePreset = "a100", profile: CommProfile | None = None):
         if profile is not None and not isinstance(profile, CommProfile):
@@ -493,7 +536,8 @@ class CostModel:
     def grad_reduction_time(self, axis: int, nbytes: float) -> float:
         """Seconds a parameter's gradient of ``nbytes`` adds to the bucketed all-reduce over
         ``axis``: the bandwidth term only (with a profile, the slope of its all-reduce line);
-        the bucket's latency is paid once per axis."""
+        the bucket's latency is paid once per axis. The planner counts the part that the
+        runtime overlaps with the backward as exposed time only (:func:`exposed_comm_time`)."""
         n = self.mesh.shape[axis]
         if n == 1:
             return 0.0

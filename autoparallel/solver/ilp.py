@@ -10,6 +10,15 @@ integral ``x`` these marginals force ``y`` to the product, so ``y`` can stay con
 in [0, 1]: only node variables are binary. Pairs with no redistribution are left out, which
 forbids them. Edges where one side has a single class fold into node costs.
 
+Two terms price communication that is not a plain sum over choices:
+
+* exposed communication (:func:`~autoparallel.solver.costs.exposed_comm_time`):
+  ``max(0, max_k Σ_{i≥k} r_i(x))`` over rows ``r_i`` linear in ``x`` (communication launched
+  minus compute beside it), linearized with one variable ``e ≥ 0`` and suffix variables
+  ``p_k = p_{k+1} + r_k(x)``, ``e ≥ p_k``: a minimization drives ``e`` down to the maximum;
+* fixed charges (one latency per collective launched at all): ``z ≥ x_v[s]`` for every
+  strategy that incurs it, ``z`` continuous in [0, 1] and priced once.
+
 The LP relaxation is solved first; when every ``x`` comes out integral it is the ILP
 optimum (as PyTorch's autoparallel observed on Llama models) and the integer solve is
 skipped.
@@ -43,6 +52,20 @@ class ILPEdge:
 
 
 @dataclass
+class FixedCharge:
+    """Seconds paid once when any of some strategies is chosen (e.g. the latency of a
+    collective that every strategy replicating a parameter along an axis adds to).
+
+    Attributes:
+        cost: seconds.
+        strategies: node → the indices of its strategies that incur the charge.
+    """
+
+    cost: float
+    strategies: dict[int, list[int]]
+
+
+@dataclass
 class ILPProblem:
     """Node cost vectors (seconds per strategy), edges, and names for error messages.
 
@@ -50,6 +73,13 @@ class ILPProblem:
     the bytes that choice holds at one step of the training step; a row's sum must stay
     under ``memory_limit`` bytes. With ``minimize_memory`` the objective becomes the
     largest row (the smallest reachable peak) instead of the step time.
+
+    ``exposed_rows`` price communication overlapped with compute: one row per launch, in
+    launch order, giving per node and strategy the seconds of communication that choice
+    launches there minus the seconds of compute it runs after that launch and before the
+    next (an empty list: the node adds nothing); the objective adds
+    :func:`exposed_time` of the chosen rows. ``fixed_charges`` add their cost once each
+    when any of their strategies is chosen.
     """
 
     node_costs: list[list[float]]
@@ -58,6 +88,8 @@ class ILPProblem:
     memory_rows: list[list[list[float]]] = field(default_factory=list)
     memory_limit: float | None = None
     minimize_memory: bool = False
+    exposed_rows: list[list[list[float]]] = field(default_factory=list)
+    fixed_charges: list[FixedCharge] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +104,23 @@ _SCALE = 1e6  # the solver sees microseconds: second-scale costs sit near its 1e
 _MIB = 2.0 ** 20  # and memory rows in MiB
 
 
+def exposed_time(problem: ILPProblem, choice: list[int]) -> float:
+    """Seconds of the exposed-communication term under ``choice`` (strategy per node):
+    ``max(0, max_k Σ_{i≥k} row_i)``, :func:`~autoparallel.solver.costs.exposed_comm_time`
+    of the chosen rows."""
+    exposed = tail = 0.0
+    for row in reversed(problem.exposed_rows):
+        tail += sum(costs[choice[v]] for v, costs in enumerate(row) if costs)
+        exposed = max(exposed, tail)
+    return exposed
+
+
+def fixed_charge_time(problem: ILPProblem, choice: list[int]) -> float:
+    """Seconds of the fixed charges that ``choice`` (strategy per node) incurs."""
+    return sum(f.cost for f in problem.fixed_charges
+               if any(choice[v] in ks for v, ks in f.strategies.items()))
+
+
 def _make_solver(name: str, time_limit: float):
     if name == "cbc":
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
@@ -81,7 +130,8 @@ def _make_solver(name: str, time_limit: float):
 
 
 def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0) -> ILPSolution:
-    """Pick one strategy per node minimizing node plus resharding seconds.
+    """Pick one strategy per node minimizing node, resharding, exposed-communication and
+    fixed-charge seconds (module docstring).
 
     Args:
         problem: the ILP description.
@@ -89,7 +139,8 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
         time_limit: seconds the solver may run; the best solution found by then is used.
 
     Returns:
-        the chosen strategy index per node, the objective (s) and solver statistics.
+        the chosen strategy index per node, the objective (s) and solver statistics
+        (``exposed_s``: the exposed-communication term of the objective).
 
     Raises:
         InfeasiblePlanError: when no assignment satisfies the constraints (e.g. an edge
@@ -105,13 +156,16 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     obj = sum(lin[v][c] for v, c in enumerate(choice))
     for e in pair_edges:
         obj += e.cost[e.u_class[choice[e.u]]][e.v_class[choice[e.v]]]
+    exposed = exposed_time(problem, choice)
+    obj += exposed + fixed_charge_time(problem, choice)
     gap = 0.0 if optimal or lp_bound is None or obj <= 0 else max(0.0, (obj - lp_bound) / obj)
     if not optimal and not problem.minimize_memory:
         log.warning("the sharding ILP stopped at its time limit (%.0f s): using the best plan found, within "
                     "%.2f%% of the LP lower bound; pass a larger time_limit for the optimum", time_limit, 100 * gap)
     stats = {"solver": used, "status": "Optimal" if optimal else "Time limit (best found)",
              "gap": gap, "lp_bound_s": lp_bound, "binary_vars": len(lp.xvars), "edge_vars": lp.n_cont,
-             "constraints": len(lp.prob.constraints), "build_s": t_build, "solve_s": t_solve, "objective_s": obj}
+             "constraints": len(lp.prob.constraints), "build_s": t_build, "solve_s": t_solve, "objective_s": obj,
+             "exposed_s": exposed}
     return ILPSolution(choice, obj, stats)
 
 
@@ -173,6 +227,9 @@ class _Program:
             objective = [(peak, 1.0)]
         else:
             peak = None
+            objective += self._exposed(problem.exposed_rows)
+            for k, charge in enumerate(problem.fixed_charges):
+                objective += self._fixed_charge(k, charge)
         for r, row in enumerate(problem.memory_rows):
             self._memory_row(r, row, problem.memory_limit, peak)
         self.prob.setObjective(pulp.LpAffineExpression(objective))
@@ -227,17 +284,51 @@ class _Program:
             self.prob += self._marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
         return objective
 
-    def _memory_row(self, r: int, row: list[list[float]], limit: float | None, peak) -> None:
-        """Row ``r``'s bytes (in MiB) at most ``limit``, or at most ``peak`` when minimizing it."""
+    def _linear(self, row: list[list[float]], scale: float) -> tuple[list[tuple], float]:
+        """``Σ_v Σ_s row[v][s]·x_v[s]·scale`` as (variable terms, constant)."""
         terms, const = [], 0.0
-        for v, sizes in enumerate(row):
-            for s, b in enumerate(sizes):
-                if not b or s not in self.x[v]:
+        for v, coeffs in enumerate(row):
+            for s, c in enumerate(coeffs):
+                if not c or s not in self.x[v]:
                     continue
                 if isinstance(self.x[v][s], int):
-                    const += b / _MIB
+                    const += c * scale
                 else:
-                    terms.append((self.x[v][s], b / _MIB))
+                    terms.append((self.x[v][s], c * scale))
+        return terms, const
+
+    def _exposed(self, rows: list[list[list[float]]]) -> list[tuple]:
+        """``e ≥ 0``, ``e ≥ p_k`` with suffix sums ``p_k = p_{k+1} + row_k(x)``; the objective term ``e``."""
+        if not rows:
+            return []
+        e = pulp.LpVariable("exposed", lowBound=0)
+        after = None
+        for k in reversed(range(len(rows))):
+            terms, const = self._linear(rows[k], _SCALE)
+            p = pulp.LpVariable(f"suffix{k}")
+            expr = [(p, 1.0)] + [(xv, -c) for xv, c in terms] + ([(after, -1.0)] if after is not None else [])
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, f"suffix{k}", const)
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression([(e, 1.0), (p, -1.0)]), pulp.LpConstraintGE,
+                                           f"exposed{k}", 0)
+            after = p
+        return [(e, 1.0)]
+
+    def _fixed_charge(self, k: int, charge: FixedCharge) -> list[tuple]:
+        """``z ≥ x_v[s]`` for the charged strategies (``z = 1`` when one is the only choice of
+        its node); the objective term ``cost·z``."""
+        forced = any(isinstance(self.x[v].get(s), int) for v, ks in charge.strategies.items() for s in ks)
+        z = pulp.LpVariable(f"charge{k}", lowBound=1 if forced else 0, upBound=1)
+        for v, ks in charge.strategies.items():
+            for s in ks:
+                xv = self.x[v].get(s)
+                if xv is not None and not isinstance(xv, int):
+                    self.prob += pulp.LpConstraint(pulp.LpAffineExpression([(z, 1.0), (xv, -1.0)]),
+                                                   pulp.LpConstraintGE, f"charge{k}_{v}_{s}", 0)
+        return [(z, charge.cost * _SCALE)]
+
+    def _memory_row(self, r: int, row: list[list[float]], limit: float | None, peak) -> None:
+        """Row ``r``'s bytes (in MiB) at most ``limit``, or at most ``peak`` when minimizing it."""
+        terms, const = self._linear(row, 1 / _MIB)
         if peak is not None:
             terms.append((peak, -1.0))
             self.prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"mem{r}", -const)

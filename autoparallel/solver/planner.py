@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import math
@@ -20,8 +21,8 @@ from ..graph import aliased_input, is_view, layer_of, output_leaves, tensor_inpu
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
 from .shared_layers import layer_templates
-from .costs import CostModel
-from .ilp import ILPEdge, ILPProblem, solve
+from .costs import CostModel, exposed_comm_time
+from .ilp import FixedCharge, ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
 from .rotor import InfeasibleBudget, solve as rotor_solve
@@ -125,12 +126,7 @@ class Planner:
         ms = self.mesh.shape
         out_bytes = sum(_local_bytes(sh, dt, sp, ms) for (sh, dt), sp in zip(info.outputs, s.outputs))
         if node.op == "get_attr":
-            comm = 0.0
-            if info.requires_grad:
-                for a, p in enumerate(s.outputs[0]):
-                    if p == R:
-                        comm += self.cm.grad_reduction_time(a, out_bytes)
-            return 0.0, comm, out_bytes * (2 if info.requires_grad else 1)
+            return 0.0, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
         in_bytes = sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
@@ -140,6 +136,51 @@ class Planner:
         record = record_of(node.target)
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
+
+    def grad_reduction(self, node: fx.Node, s: Strategy) -> tuple[float, float]:
+        """Bandwidth seconds of the all-reduce of parameter ``node``'s gradient under ``s``, as
+        ``(launched, after)``: over the first mesh axis of more than one device that ``s``
+        replicates it along, which the runtime launches during the backward
+        (:mod:`autoparallel.runtime_kernels.grad_reduction`), and over the further such axes,
+        reduced after the backward. ``(0, 0)`` for other nodes."""
+        if node.name not in self._grad_params:
+            return 0.0, 0.0
+        shape, dtype = node_info(node).outputs[0]
+        nbytes = _local_bytes(shape, dtype, s.outputs[0], self.mesh.shape)
+        times = [self.cm.grad_reduction_time(a, nbytes) for a, p in enumerate(s.outputs[0])
+                 if p == R and self.mesh.shape[a] > 1]
+        return (times[0], sum(times[1:])) if times else (0.0, 0.0)
+
+    @functools.cached_property
+    def _launch_of(self) -> dict[fx.Node, int]:
+        """Node → the gradient launch its term joins, numbered in launch order (the backward
+        runs the forward in reverse): a parameter's gradient launches when the backward of its
+        first user in the forward has run; an op's backward compute runs after the last
+        launch its forward position follows. Ops whose backward runs before every launch,
+        and parameters without users, are left out. One launch per distinct first use: each
+        parameter is its own bucket (see :meth:`exposed_grad_rows`). Empty when the cost model
+        does not overlap gradient reduction (``CostModel.overlap_grad_reduction``)."""
+        if not self.cm.overlap_grad_reduction:
+            return {}
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        first_use = {n: min(order[u] for u in n.users) for n in self.nodes if n.name in self._grad_params and n.users}
+        cuts = sorted(set(first_use.values()))  # forward order; launch k is cuts[-1 - k]
+        launch = {n: len(cuts) - 1 - cuts.index(t) for n, t in first_use.items()}
+        for n in self.nodes:
+            if n.op == "call_function":
+                later = len(cuts) - bisect.bisect_right(cuts, order[n])  # launches that precede n's backward
+                if later:
+                    launch[n] = later - 1
+        return launch
+
+    def _launch_term(self, node: fx.Node, s: Strategy) -> tuple[float, float]:
+        """``(communication launched, backward compute)`` seconds of ``node`` under ``s`` at its
+        launch (:attr:`_launch_of`), for :func:`~autoparallel.solver.costs.exposed_comm_time`."""
+        if node.op == "get_attr":
+            return self.grad_reduction(node, s)[0], 0.0
+        if node.op != "call_function" or not node_info(node).requires_grad:
+            return 0.0, 0.0
+        return 0.0, self.node_cost(node, s)[0] - self.node_cost(node, s, backward=False)[0]
 
     def _redistribute(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
         shape, dtype = node_info(val[0]).outputs[val[1]]
@@ -227,6 +268,8 @@ class Planner:
         built = GroupedProblem(ILPProblem([], [], [r.name for r in croots] + ["output"]), root, fmap, tmpl, gidx,
                                list(self._edges()), {})
         built.ilp.node_costs = self._group_costs(built, croots) + [[0.0]]  # the last group: the graph output
+        built.ilp.exposed_rows = self.exposed_grad_rows(built)
+        built.ilp.fixed_charges = self._latency_charges(built)
         self._add_edges(built)
         built.stats = {"groups": sum(1 for n in self.nodes if root[n] is n), "ilp_groups": len(croots),
                        "shared_nodes": sum(1 for n in self.nodes if tmpl[n] is not n)}
@@ -234,17 +277,83 @@ class Planner:
 
     def _group_costs(self, built: GroupedProblem, croots: list[fx.Node]) -> list[list[float]]:
         """Seconds of every ILP group per group strategy: its nodes' compute and own
-        communication, each shared node counted once per layer that shares it."""
+        communication, each shared node counted once per layer that shares it. Gradient
+        reduction launched during the backward is left to :meth:`exposed_grad_rows`."""
         gcost = [[0.0] * len(self.strategies[r]) for r in croots]
         node_costs: dict[fx.Node, list[float]] = {}
         for node in self.nodes:
             t = built.template[node]
             if t not in node_costs:
-                node_costs[t] = [sum(self.node_cost(t, s)[:2]) for s in self.strategies[t]]
+                hide = t in self._launch_of
+                node_costs[t] = [sum(self.node_cost(t, s)[:2]) - (self.grad_reduction(t, s)[0] if hide else 0.0)
+                                 for s in self.strategies[t]]
             g = built.group[built.root[t]]
             for i, k in enumerate(built.fmap[t]):
                 gcost[g][i] += node_costs[t][k]
         return gcost
+
+    def exposed_grad_rows(self, built: GroupedProblem) -> list[list[list[float]]]:
+        """The ILP's exposed-communication rows (:class:`~autoparallel.solver.ilp.ILPProblem`):
+        per gradient launch, per ILP group and group strategy, the gradient-reduction seconds
+        launched there minus the backward compute seconds that run after it and before the
+        next launch (:meth:`_launch_term`). Each parameter launches when its own gradient is
+        complete, as if buckets held one parameter: the runtime's buckets
+        (:mod:`autoparallel.passes.grad_buckets`) launch when their last gradient is, which
+        this prices optimistically by at most one bucket's all-reduce."""
+        rows = [[[] for _ in built.ilp.node_costs] for _ in range(max(self._launch_of.values(), default=-1) + 1)]
+        terms: dict[fx.Node, list[float]] = {}
+        for node, k in self._launch_of.items():
+            t = built.template[node]
+            if t not in terms:
+                terms[t] = [g - c for g, c in (self._launch_term(t, s) for s in self.strategies[t])]
+            if not any(terms[t]):
+                continue
+            g = built.group[built.root[t]]
+            row = rows[k][g] = rows[k][g] or [0.0] * len(built.fmap[t])
+            for i, si in enumerate(built.fmap[t]):
+                row[i] += terms[t][si]
+        return rows
+
+    def _latency_charges(self, built: GroupedProblem) -> list[FixedCharge]:
+        """One all-reduce latency per mesh axis of more than one device along which some
+        parameter with a gradient is replicated (the gradient buckets' latency, paid once per
+        axis and in full), as ILP fixed charges over the strategies that replicate one."""
+        charges = []
+        for a, n in enumerate(self.mesh.shape):
+            if n == 1:
+                continue
+            strategies: dict[int, list[int]] = {}
+            for node in self.nodes:
+                if node.name in self._grad_params:
+                    t = built.template[node]
+                    ks = [i for i, si in enumerate(built.fmap[t]) if self.strategies[t][si].outputs[0][a] == R]
+                    if ks:
+                        strategies[built.group[built.root[t]]] = ks
+            if strategies:
+                charges.append(FixedCharge(self.cm.collective_time("all_reduce", a, 0), strategies))
+        return charges
+
+    def grad_comm(self, choice: dict[fx.Node, Strategy]) -> tuple[float, float]:
+        """``(grad_comm_s, exposed_grad_comm_s)`` of a strategy choice: the seconds of every
+        gradient all-reduce (bandwidth over every axis plus one latency per axis), and the part
+        of them the step waits for: what the runtime launches during the backward priced by
+        :func:`~autoparallel.solver.costs.exposed_comm_time` over the launches of
+        :attr:`_launch_of`, the rest (further axes, latencies) in full. The ILP's objective
+        prices the same (:meth:`exposed_grad_rows`, :meth:`_latency_charges`)."""
+        launches = [[0.0, 0.0] for _ in range(max(self._launch_of.values(), default=-1) + 1)]
+        total = hidden = 0.0
+        for node, s in choice.items():
+            launched, after = self.grad_reduction(node, s)
+            total += launched + after
+            k = self._launch_of.get(node)
+            if k is not None:
+                hidden += launched
+                g, c = self._launch_term(node, s)
+                launches[k][0] += g
+                launches[k][1] += c
+        latency = sum(self.cm.collective_time("all_reduce", a, 0) for a, n in enumerate(self.mesh.shape)
+                      if n > 1 and any(choice[p].outputs[0][a] == R for p in self.nodes if p.name in self._grad_params))
+        return total + latency, total - hidden + exposed_comm_time(launches) + latency
 
     def _add_edges(self, built: GroupedProblem) -> None:
         """Resharding seconds of every edge: edges inside one group add to its node costs,
@@ -452,12 +561,11 @@ class Planner:
         memory = self.memory.estimate(choice).as_dict() if self.memory is not None else None
         compute = sum(n.compute_s for n in nodes.values())
         comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in redistributions if c.dst == "output")
-        # one bucketed gradient all-reduce per mesh axis that replicates some parameter: its latency
-        for a in range(self.mesh.ndim):
-            if any(n.op == "get_attr" and n.output_specs[0][a] == R and self.mesh.shape[a] > 1
-                   for n in nodes.values() if n.name in self._grad_params):
-                comm += self.cm.collective_time("all_reduce", a, 0)
-        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm}
+        # the nodes' comm_s hold their gradients' whole bandwidth; the step waits for the exposed part
+        grad_total, grad_exposed = self.grad_comm(choice)
+        comm += grad_exposed - sum(sum(self.grad_reduction(n, s)) for n, s in choice.items())
+        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
+                    "grad_comm_s": grad_total, "exposed_grad_comm_s": grad_exposed}
         if memory:
             estimate["peak_memory_bytes"] = memory["peak_bytes"]
             estimate["memory"] = memory
