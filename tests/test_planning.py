@@ -198,7 +198,10 @@ def test_block_sharing_loses_nothing(name, cost):
     full = autoparallel.plan(model, inputs, share_layers=False, **kw)
     assert shared.solver_stats["shared_nodes"] > 0 and full.solver_stats["shared_nodes"] == 0
     assert shared.solver_stats["binary_vars"] < full.solver_stats["binary_vars"]
-    assert shared.estimate["step_time_s"] == pytest.approx(full.estimate["step_time_s"], rel=1e-9)
+    # sharing restricts the choice, so it can only cost more; with gradient reduction priced by its
+    # exposure (which depends on a layer's position in the backward) it may cost a little more
+    assert full.estimate["step_time_s"] <= shared.estimate["step_time_s"] * (1 + 1e-9)
+    assert shared.estimate["step_time_s"] == pytest.approx(full.estimate["step_time_s"], rel=1e-3)
 
 
 def test_plan_cache_roundtrip(tmp_path):
