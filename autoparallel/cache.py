@@ -36,7 +36,7 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.2.1"  # 0.2.1: plans record estimate["costs"]
+VERSION = "0.3.0"  # 0.3.0: exposed gradient communication, plan.outputs, redistributions
 
 
 def cache_path(cache_dir) -> Path | None:
