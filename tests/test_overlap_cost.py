@@ -13,7 +13,13 @@ from autoparallel.solver.ilp import FixedCharge
 from models import MLP
 
 
-class SlowLink(CostModel):
+class Overlapped(CostModel):
+    """A cost model pricing gradient reduction by its exposed time (off by default)."""
+
+    overlap_grad_reduction = True
+
+
+class SlowLink(Overlapped):
     """Collectives priced by their bytes alone at 1 GB/s (no latency, no ring factor)."""
 
     def collective_time(self, kind, axis, nbytes):
@@ -35,7 +41,7 @@ def _mlp_plan(cost_model, batch=8, mesh=(2,), **kw):
 
 
 def test_overlappable_bucket_priced_below_a_blocking_one():
-    cm = CostModel("a100").bind(MeshSpec((4,)))
+    cm = Overlapped("a100").bind(MeshSpec((4,)))
     blocking = cm.grad_reduction_time(0, 25 * 2**20)  # one 25 MiB bucket
     assert blocking > 0
     assert exposed_comm_time([(blocking, 2 * blocking)]) == 0.0  # hidden behind twice its time of compute
@@ -49,7 +55,7 @@ def test_overlappable_bucket_priced_below_a_blocking_one():
 
 
 def test_plan_prices_exposed_gradient_reduction():
-    plan = _mlp_plan(CostModel("cpu"), batch=256, parallelism="data")
+    plan = _mlp_plan(Overlapped("cpu"), batch=256, parallelism="data")
     est = plan.estimate
     assert 0 < est["exposed_grad_comm_s"] < est["grad_comm_s"]
     assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
@@ -64,7 +70,8 @@ def test_plan_prices_exposed_gradient_reduction():
 
 
 @pytest.mark.parametrize("cost_model, mesh, parallelism", [
-    (CostModel("cpu"), (2,), "data"), (CostModel("a100"), (2,), "data"), (CostModel("cpu"), (2, 2), "auto"),
+    (Overlapped("cpu"), (2,), "data"), (Overlapped("a100"), (2,), "data"), (Overlapped("cpu"), (2, 2), "auto"),
+    (CostModel("cpu"), (2, 2), "auto"),
     (SlowLink("cpu"), (2,), "auto")])
 def test_objective_equals_estimated_step_time(cost_model, mesh, parallelism):
     plan = _mlp_plan(cost_model, batch=128, mesh=mesh, parallelism=parallelism)
