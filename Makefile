@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest tests -x --durations=15
 
-# everyday tier: no real processes, no parity matrices over every model, mesh and cost model
+# everyday tier: no real processes, no parity matrices over every model, mesh and cost model;
+# two pytest-xdist workers (one per core here)
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -x -m "not slow and not multiprocess" --durations=10
+	$(PY) -m pytest tests -x -n 2 -m "not slow and not multiprocess" --durations=10
 
 demo: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py

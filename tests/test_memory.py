@@ -88,6 +88,7 @@ def test_budget_bounds_the_modelled_peak():
     assert tight.solver_stats["memory_rows"] >= 1
 
 
+@pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
 def test_infeasible_budget_states_the_smallest_reachable():
     model, inputs = _gpt2_planning()
     with pytest.raises(InfeasiblePlanError, match=r"smallest peak .* \((\d+) bytes\)") as err:

@@ -163,6 +163,7 @@ def test_plan_table_json_and_collectives():
     assert stats["status"] == "Optimal" and stats["binary_vars"] > 0
 
 
+@pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
 def test_data_parallel_is_never_cheaper_than_the_search():
     pytest.importorskip("transformers")
     with torch.device("meta"):

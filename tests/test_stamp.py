@@ -140,6 +140,7 @@ def test_forward_that_differs_per_layer_falls_back():
     assert canonical(stamped) == canonical(full)
 
 
+@pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
 def test_stamped_plan_costs_the_same():
     model = deep("llama", 8)
     inputs = to_meta(batch_for("llama", 0))

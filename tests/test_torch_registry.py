@@ -50,6 +50,7 @@ def zoo_graphs():
     return graphs
 
 
+@pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
 def test_every_zoo_op_asks_the_registry(zoo_graphs):
     pg_before = dist.is_initialized()
     best: dict = {}  # op → mesh → most split strategies over its nodes (-1: no registry entry)

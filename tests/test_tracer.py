@@ -100,6 +100,7 @@ def test_mse_loss_is_decomposed_into_ops_with_rules():
     assert not autoparallel.coverage(MLP(), to_meta(batch_for("mlp", 0))).counts().get("replicate fallback")
 
 
+@pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
 def test_cli_plan_and_coverage(tmp_path, capsys):
     pytest.importorskip("transformers")
     from autoparallel.cli import main
