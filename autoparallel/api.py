@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import cache, errors
 from .codegen import ParallelModule
-from .codegen.code import CommentedCode, readable
+from .codegen.code import readable
 from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
@@ -552,15 +552,13 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
-    graph.set_codegen(CommentedCode())
     gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
     if plan.checkpoint:
         stages = plan.checkpoint.stages
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
         apply_checkpointing(gm, stage_of, plan.checkpoint.regions)
-        readable(gm)  # the regions' own graphs print their comments too
-    overlap_collectives(gm)
-    return gm
+    overlap_collectives(gm.graph)
+    return readable(gm)  # gm and its checkpoint regions print their comments; one recompile each
 
 
 def _add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=None) -> Variant:

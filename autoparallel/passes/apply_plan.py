@@ -38,9 +38,8 @@ from torch.distributed.tensor import Partial, Shard
 
 from ..graph import output_leaves, tensor_inputs
 from ..placement import P, R, Spec, local_shape, shard_axes
-from ..plan import Plan
+from ..plan import Move, Plan
 from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
-from ..solver.layout import Move
 from ..strategies.records import LocalCall, record_of
 from .grad_buckets import DEFAULT_BUCKET_CAP_BYTES, grad_buckets
 

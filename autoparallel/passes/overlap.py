@@ -84,12 +84,11 @@ def _ancestors_after(node: fx.Node, pos: int, order: dict[fx.Node, int]) -> set[
     return out
 
 
-def overlap_collectives(gm: fx.GraphModule) -> dict[str, int]:
-    """Apply :func:`sink_waits` then :func:`prefetch_param_gathers` to ``gm``'s graph and
-    recompile (in this order: a gather is issued after the previous gathered parameter's
-    wait has moved to its first reader, so at most one gather is ahead of the compute).
+def overlap_collectives(graph: fx.Graph) -> dict[str, int]:
+    """Apply :func:`sink_waits` then :func:`prefetch_param_gathers` to ``graph`` (in this
+    order: a gather is issued after the previous gathered parameter's wait has moved to its
+    first reader, so at most one gather is ahead of the compute); the caller recompiles.
     Returns the counts of moved nodes."""
-    stats = {"sunk_waits": sink_waits(gm.graph), "prefetched_gathers": prefetch_param_gathers(gm.graph)}
-    gm.graph.lint()
-    gm.recompile()
+    stats = {"sunk_waits": sink_waits(graph), "prefetched_gathers": prefetch_param_gathers(graph)}
+    graph.lint()
     return stats
