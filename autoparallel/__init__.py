@@ -12,6 +12,7 @@ _install_torchvision_compat()  # first: lets a CUDA torchvision wheel import on 
 
 from .api import autoparallelize, coverage, plan
 from .codegen import ParallelModule
+from .constraints import ConstraintError
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
                      MeshMismatchError, PlanMismatchError, ShardingRuleError)
 from .mesh import MeshSpec
@@ -24,4 +25,4 @@ from .validate import validate_plan
 __all__ = ["autoparallelize", "plan", "coverage", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
            "profile_mesh", "calibrate_device", "CommProfile", "CollectiveTable",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
-           "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan"]
+           "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan", "ConstraintError"]

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from . import cache, errors
 from .codegen import ParallelModule
+from .constraints import as_spec, cache_key as constraints_key, format_spec, resolve as resolve_constraints
+from .constraints import restrict as restrict_strategies
 from .codegen.code import readable
 from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
@@ -46,20 +48,24 @@ log = logging.getLogger("autoparallel")
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
                  pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False,
-                 outputs: str = "sharded"):
+                 outputs: str = "sharded", constraints=None):
     """Plan a traced model (``outputs``: as :func:`plan` takes it). ``pinned`` (parameter/buffer
     name → spec, as in ``Plan.param_placements``) keeps each parameter's and buffer's
     ``get_attr`` node at that spec; raises AutoParallelError when one is missing or has no
     such strategy.
     ``replicate_buffers`` plans every buffer replicated, not only those the forward writes
-    (a model planned in eval mode: in training mode it may write them back whole)."""
+    (a model planned in eval mode: in training mode it may write them back whole).
+    ``constraints``: as :func:`plan` takes them (:mod:`autoparallel.constraints`)."""
     cost_model = cost_model or CostModel()
+    user_pins = resolve_constraints(constraints, traced, mesh) if constraints else []
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
                "replicate_buffers": replicate_buffers, "outputs": outputs}
     if pinned is not None:
         options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
+    if user_pins:
+        options["constraints"] = constraints_key(user_pins)
     folder = cache.cache_path(cache_dir)
     key = cache.plan_key(traced, mesh, cost_model, options) if folder is not None else ""
     hit = cache.load(folder, key, traced, mesh)  # validated against the graph: a stale or edited file is ignored
@@ -87,6 +93,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                 strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
     if pinned is not None:
         _pin(strategies, traced, pinned, mesh.ndim)
+    restrict_strategies(strategies, gen.aliases, user_pins, mesh.axis_names)
     t1 = time.perf_counter()
     log.info("strategies: %d nodes, %d strategies (%.2f s)", len(strategies),
              sum(len(v) for v in strategies.values()), t1 - t0)
@@ -110,6 +117,9 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["stamped_layers"] = traced.stamped_layers
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
+    if user_pins:
+        plan.solver_stats["constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
+                                            for k, v in constraints.items()}
     cache.store(folder, key, plan)
     return plan
 
@@ -140,7 +150,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
          time_limit: float = 60.0, parallelism: str = "auto", share_layers: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
          device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None,
-         share_blocks: bool | None = None, outputs: str = "sharded") -> Plan:
+         share_blocks: bool | None = None, outputs: str = "sharded", constraints=None) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -181,6 +191,10 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             ``.full_tensor()`` gathers it on demand) while a 0-d loss comes back whole;
             ``"replicated"``: every output whole on every device. The plan prices exactly
             this (docs/design.md, "Outputs").
+        constraints: ``{pattern: placements}``: every parameter, buffer, module output,
+            input or output whose name matches the glob ``pattern`` is placed as given
+            (text such as ``"S0(tp)"`` or a tuple of DTensor placements) and the rest is
+            planned around them (grammar and matching: :mod:`autoparallel.constraints`).
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
@@ -191,6 +205,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             (a budget no plan fits raises InfeasiblePlanError with the smallest reachable peak).
         TypeError: an argument of the wrong type, e.g. ``mesh_shape`` not an int or a
             sequence of ints (:func:`autoparallel.validate.check_planning_arguments`).
+        ConstraintError: a constraint that matches nothing, bad placement text, or a tensor
+            that cannot be placed as asked (naming the pattern, tensor and legal placements).
         ValueError: neither (unless ``cost_model`` is profiled) or both of ``mesh_shape`` and
             ``mesh_spec``, a mesh shape other than a profiled ``cost_model``'s, a mesh axis below 1, an
             unreadable ``memory_budget``, an unknown ``solver``, ``parallelism``,
@@ -207,7 +223,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     t_trace = time.perf_counter() - t0
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
-                     memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs)
+                     memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs,
+                     constraints=constraints)
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -274,7 +291,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     optimizer: str = DEFAULT_OPTIMIZER, stamp_layers: bool = True,
                     replan: bool = False, check_batch_every: int = 100,
                     plan: Plan | str | None = None, bucket_cap_mb: float = 25,
-                    share_blocks: bool | None = None, outputs: str = "sharded") -> ParallelModule:
+                    share_blocks: bool | None = None, outputs: str = "sharded",
+                    constraints=None) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -302,6 +320,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             (``out.logits.full_tensor()`` for the whole value; a loss is a plain tensor),
             ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
             plan's own ``plan.outputs`` applies.
+        constraints: placements to keep, ``{pattern: placements}`` (see :func:`plan`).
         replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
             values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
             batch of an epoch), capture and plan the model again for them, with every
@@ -345,7 +364,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                    parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                    memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
-                   replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs)
+                   replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs,
+                   constraints=constraints)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         traced = _trace(model, meta_inputs, stamp_layers)
         if plan is None:
