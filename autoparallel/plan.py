@@ -12,8 +12,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
+from . import precision
 from .mesh import MeshSpec
 from .placement import R, Spec, spec_from_json, spec_str, spec_to_json
 
@@ -287,6 +289,8 @@ class Plan:
         checkpoint: the activation checkpointing, ``None`` when nothing is recomputed.
         outputs: how outputs are returned, one of :data:`OUTPUTS` (:func:`returned_spec`);
             plans saved without the field are ``"replicated"``, as they were made.
+        mp_policy: the mixed-precision policy the graph was captured and priced under
+            (:mod:`autoparallel.precision`), ``None`` for none (also in plans saved without it).
     """
 
     mesh: MeshSpec
@@ -297,6 +301,7 @@ class Plan:
     solver_stats: dict = field(default_factory=dict)
     checkpoint: CheckpointPlan | None = None
     outputs: str = "replicated"
+    mp_policy: MixedPrecisionPolicy | None = None
 
     @property
     def collectives(self) -> list[dict]:
@@ -325,7 +330,8 @@ class Plan:
                 f"(compute {est.get('compute_s', 0):.4g} s, communication {est.get('comm_s', 0):.4g} s), "
                 f"peak memory {est.get('peak_memory_bytes', 0) / 2**20:.1f} MiB per device; "
                 f"{len(self.collectives)} forward collectives"
-                + (f"; priced by {est['costs']}" if est.get("costs") else ""))
+                + (f"; priced by {est['costs']}" if est.get("costs") else "")
+                + (f"; {precision.describe(self.mp_policy)}" if self.mp_policy is not None else ""))
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
             regions = [[r.stages, r.modules, r.nodes, f"{r.saved_bytes / 2**20:.1f}", f"{r.recompute_s:.3g}"]
@@ -347,6 +353,7 @@ class Plan:
             "solver_stats": self.solver_stats,
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else {},
             "outputs": self.outputs,
+            "mp_policy": precision.policy_to_json(self.mp_policy),
         })
 
     @classmethod
@@ -365,7 +372,11 @@ class Plan:
             raise ValueError(f"a plan must be JSON text: {e}") from None
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
-        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs"))
+        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy"))
+        try:
+            mp_policy = precision.policy_from_json(d.get("mp_policy"))
+        except ValueError as e:
+            raise ValueError(f"plan: mp_policy: {e}") from None
         outputs = d.get("outputs", "replicated")  # plans saved before the field returned everything whole
         _check(outputs in OUTPUTS, "plan", "outputs", " or ".join(map(repr, OUTPUTS)), outputs)
         _check(isinstance(d["mesh"], dict), "plan", "mesh", "an object", d["mesh"])
@@ -403,7 +414,8 @@ class Plan:
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
-        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint, outputs)
+        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint, outputs,
+                   mp_policy)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -415,7 +427,7 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs")
+                "outputs", "mp_policy")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

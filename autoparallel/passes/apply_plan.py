@@ -273,9 +273,13 @@ class _PerDeviceGraph:
         for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes):
             groups = tuple(self.groups[a] for a in b.axes)
             since = _tail(self.graph)
-            bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *[attrs[m] for m in b.members]))
-            self.comment(since, f"gradients of these {len(b.members)} parameters ({b.nbytes / 2**20:.2f} MiB): "
-                                f"all-reduced over {', '.join(g.name for g in groups)} during the backward")
+            members = [attrs[m] for m in b.members]
+            cast = b.dtype != b.members[0].meta["val"].dtype  # reduced in a mixed-precision policy's dtype
+            bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *members),
+                                              {"reduce_dtype": b.dtype} if cast else {})
+            self.comment(since, f"gradients of these {len(b.members)} parameters ({b.nbytes / 2**20:.2f} MiB"
+                                f"{f' in {b.dtype}' if cast else ''}): all-reduced over "
+                                f"{', '.join(g.name for g in groups)} during the backward")
             for i, m in enumerate(b.members):
                 self.env[m] = self.graph.call_function(operator.getitem, (bucket, i))
 

@@ -6,7 +6,9 @@ and of one dtype are packed into buckets of at most ``bucket_cap_bytes`` in the 
 order of their first use in the forward, the order in which the backward produces their
 gradients, so that each bucket's all-reduce can start while the backward of the earlier
 layers still runs (Li et al., VLDB 2020, §3.2; DDP's default cap is 25 MiB). A parameter
-larger than the cap is a bucket of its own.
+larger than the cap is a bucket of its own. Under a mixed-precision policy a bucket is
+all-reduced in the policy's reduce dtype (:func:`autoparallel.precision.reduce_dtype`), and
+the cap counts its bytes in that dtype.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from .. import precision
 from ..placement import R, local_shape
 from ..plan import Plan
 
@@ -29,17 +33,18 @@ class GradBucket:
     Attributes:
         axes: mesh axes the parameters are replicated along (more than one device each).
         members: their ``get_attr`` nodes in the traced graph, in reverse order of first use.
-        nbytes: bytes of the flat gradient buffer on one device.
+        nbytes: bytes of the flat gradient buffer on one device, in ``dtype``.
+        dtype: the dtype the buffer is all-reduced in (the parameters' own without a policy).
     """
 
     axes: tuple[int, ...]
     members: list[fx.Node]
     nbytes: int
+    dtype: torch.dtype
 
 
-def _local_nbytes(node: fx.Node, spec, mesh_shape) -> int:
-    val = node.meta["val"]
-    return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.dtype.itemsize
+def _local_nbytes(node: fx.Node, spec, mesh_shape, dtype: torch.dtype) -> int:
+    return math.prod(local_shape(tuple(node.meta["val"].shape), spec, mesh_shape)) * dtype.itemsize
 
 
 def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
@@ -48,7 +53,7 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
 
     Args:
         gm: the traced graph (``get_attr`` nodes annotated with ``meta["autoparallel"]``).
-        plan: its plan (placements of the ``get_attr`` nodes).
+        plan: its plan (placements of the ``get_attr`` nodes, mixed-precision policy).
         param_targets: ``get_attr`` targets that are parameters or buffers.
         bucket_cap_bytes: the largest flat buffer, in bytes per device.
 
@@ -58,6 +63,7 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
     if not isinstance(bucket_cap_bytes, int) or isinstance(bucket_cap_bytes, bool) or bucket_cap_bytes <= 0:
         raise ValueError(f"bucket_cap_bytes must be a positive integer, got {bucket_cap_bytes!r}")
     ms = plan.mesh.shape
+    reduce_in = precision.reduce_dtype(plan.mp_policy)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def first_use(node: fx.Node) -> int:
@@ -72,14 +78,16 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
         axes = tuple(a for a, p in enumerate(spec) if p == R and ms[a] > 1)
         if not axes:
             continue
-        nbytes = _local_nbytes(node, spec, ms)
-        key = (axes, node.meta["val"].dtype)
+        dtype = node.meta["val"].dtype
+        reduced_in = reduce_in if reduce_in is not None and dtype.is_floating_point else dtype
+        nbytes = _local_nbytes(node, spec, ms, reduced_in)
+        key = (axes, dtype, reduced_in)
         b = open_.get(key)
         if b is not None and b.nbytes + nbytes > bucket_cap_bytes:
             done.append(open_.pop(key))
             b = None
         if b is None:
-            b = open_[key] = GradBucket(axes, [], 0)
+            b = open_[key] = GradBucket(axes, [], 0, reduced_in)
         b.members.append(node)
         b.nbytes += nbytes
     return done + list(open_.values())

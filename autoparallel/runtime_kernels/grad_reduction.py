@@ -43,14 +43,17 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
 
 class _BucketReduction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, groups, *params):
-        ctx.groups = groups
+    def forward(ctx, groups, reduce_dtype, *params):
+        ctx.groups, ctx.reduce_dtype = groups, reduce_dtype
         ctx.params = params
         return tuple(p.to_local() if isinstance(p, DTensor) else p.detach() for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
         flat = per_rank(torch.cat([g.reshape(-1) for g in grads]))
+        grad_dtype = flat.dtype
+        if ctx.reduce_dtype is not None:
+            flat = flat.to(ctx.reduce_dtype)
         pending = _c10d.all_reduce(flat, "sum", ctx.groups[0])  # launched; waited by finish()
         params, rest = ctx.params, ctx.groups[1:]
         shapes = [g.shape for g in grads]
@@ -59,14 +62,16 @@ class _BucketReduction(torch.autograd.Function):
             out = _c10d.wait_tensor(pending)
             for group in rest:
                 out = _c10d.wait_tensor(_c10d.all_reduce(out, "sum", group))
+            out = out.to(grad_dtype)
             for p, piece, shape in zip(params, torch.split(out, [s.numel() for s in shapes]), shapes):
                 _add_grad(p, piece.view(shape))
 
         torch.autograd.Variable._execution_engine.queue_callback(finish)
-        return (None,) * (1 + len(params))
+        return (None,) * (2 + len(params))
 
 
-def reduce_grads_in_bucket(groups: tuple[str, ...], *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def reduce_grads_in_bucket(groups: tuple[str, ...], *params: torch.Tensor,
+                           reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """The local tensors of ``params`` (DTensor parameters replicated along the mesh axes
     whose process groups are ``groups``, all of one dtype); in the backward, their
     gradients are all-reduced (sum) over ``groups`` as one flat buffer launched as soon as
@@ -77,8 +82,11 @@ def reduce_grads_in_bucket(groups: tuple[str, ...], *params: torch.Tensor) -> tu
         groups: c10d process-group names, one per mesh axis the parameters are replicated
             along (at least one).
         params: the parameters (``nn.Parameter`` holding DTensors), in bucket order.
+        reduce_dtype: the dtype the flat buffer is all-reduced in (a mixed-precision policy's
+            reduce dtype, :func:`autoparallel.precision.reduce_dtype`); the sum is cast back
+            to the gradients' dtype before it is added into ``.grad``. ``None``: their own.
 
     Returns:
         one local tensor per parameter, an autograd leaf of this bucket.
     """
-    return _BucketReduction.apply(tuple(groups), *params)
+    return _BucketReduction.apply(tuple(groups), reduce_dtype, *params)

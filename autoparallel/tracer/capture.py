@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
@@ -30,6 +31,7 @@ from ..errors import CaptureError
 from ..fqn import set_attr
 from .annotate import annotate_graph
 from .batchnorm import decompose_batch_norm
+from .casts import half_inputs, half_skeleton, restore_master
 from .decompose import decompose_composites
 from .mutations import functionalize_state
 from .stamp import find_layer_list, stamp, truncated
@@ -154,10 +156,28 @@ class ColoTracer:
             source line outside torch that the failure went through.
     """
 
-    def __init__(self, stamp: bool = True):
+    def __init__(self, stamp: bool = True, mp_policy: MixedPrecisionPolicy | None = None):
         self.stamp = stamp
+        self.mp_policy = mp_policy
 
     def trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
+        policy = self.mp_policy
+        if policy is None:
+            traced = self._trace(model, meta_inputs)
+        else:  # the model as it computes under the policy, then its master copy (:mod:`.casts`)
+            given = [x.dtype if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(meta_inputs)]
+            if policy.param_dtype is not None:
+                model, master = half_skeleton(model, policy.param_dtype)
+                meta_inputs = half_inputs(meta_inputs, policy)
+            else:
+                master = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+            traced = self._trace(model, meta_inputs)
+            restore_master(traced, master, given, policy)
+        annotate_graph(traced.gm)
+        return traced
+
+    def _trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
+        """The captured graph, stamped where it can be (not annotated)."""
         layer_list = find_layer_list(model) if self.stamp else None
         traced = None
         if layer_list is not None:
@@ -175,7 +195,6 @@ class ColoTracer:
                     traced = None
         if traced is None:
             traced = self._capture(model, meta_inputs)
-        annotate_graph(traced.gm)
         return traced
 
     def _capture(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
