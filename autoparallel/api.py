@@ -15,9 +15,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from . import cache, errors
+from . import cache, errors, precision
 from .codegen import ParallelModule
 from .constraints import as_spec, cache_key as constraints_key, format_spec, resolve as resolve_constraints
 from .constraints import restrict as restrict_strategies
@@ -48,8 +49,9 @@ log = logging.getLogger("autoparallel")
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
                  pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False,
-                 outputs: str = "sharded", constraints=None):
-    """Plan a traced model (``outputs``: as :func:`plan` takes it). ``pinned`` (parameter/buffer
+                 outputs: str = "sharded", constraints=None, mp_policy=None):
+    """Plan a traced model (``outputs``, ``mp_policy``: as :func:`plan` takes them; ``traced``
+    captured under ``mp_policy``). ``pinned`` (parameter/buffer
     name → spec, as in ``Plan.param_placements``) keeps each parameter's and buffer's
     ``get_attr`` node at that spec; raises AutoParallelError when one is missing or has no
     such strategy.
@@ -61,7 +63,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
-               "replicate_buffers": replicate_buffers, "outputs": outputs}
+               "replicate_buffers": replicate_buffers, "outputs": outputs,
+               "mp_policy": precision.policy_to_json(mp_policy)}
     if pinned is not None:
         options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
     if user_pins:
@@ -117,6 +120,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["stamped_layers"] = traced.stamped_layers
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
+    plan.mp_policy = mp_policy
     if user_pins:
         plan.solver_stats["constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
                                             for k, v in constraints.items()}
@@ -150,7 +154,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
          time_limit: float = 60.0, parallelism: str = "auto", share_layers: bool = True,
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
          device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None,
-         share_blocks: bool | None = None, outputs: str = "sharded", constraints=None) -> Plan:
+         share_blocks: bool | None = None, outputs: str = "sharded", constraints=None,
+         mp_policy: MixedPrecisionPolicy | None = None) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -191,6 +196,11 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             ``.full_tensor()`` gathers it on demand) while a 0-d loss comes back whole;
             ``"replicated"``: every output whole on every device. The plan prices exactly
             this (docs/design.md, "Outputs").
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: every
+            dtype the model's own, as today): the graph is captured and priced with parameters
+            cast to ``param_dtype`` in the forward (fp32 master parameters, gradients and
+            optimizer states), gradients reduced in ``reduce_dtype``; recorded in
+            ``plan.mp_policy`` (:mod:`autoparallel.precision`; docs/design.md, "Mixed precision").
         constraints: ``{pattern: placements}``: every parameter, buffer, module output,
             input or output whose name matches the glob ``pattern`` is placed as given
             (text such as ``"S0(tp)"`` or a tuple of DTensor placements) and the rest is
@@ -219,12 +229,13 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
                              stamp_layers=stamp_layers, outputs=outputs)
     t0 = time.perf_counter()
-    traced = _trace(model, meta_inputs, stamp_layers)
+    mp_policy = precision.check_policy(mp_policy)
+    traced = _trace(model, meta_inputs, stamp_layers, mp_policy)
     t_trace = time.perf_counter() - t0
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                      memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs,
-                     constraints=constraints)
+                     constraints=constraints, mp_policy=mp_policy)
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -292,7 +303,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     replan: bool = False, check_batch_every: int = 100,
                     plan: Plan | str | None = None, bucket_cap_mb: float = 25,
                     share_blocks: bool | None = None, outputs: str = "sharded",
-                    constraints=None) -> ParallelModule:
+                    constraints=None, mp_policy: MixedPrecisionPolicy | None = None) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -321,6 +332,9 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
             plan's own ``plan.outputs`` applies.
         constraints: placements to keep, ``{pattern: placements}`` (see :func:`plan`).
+        mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
+            model's dtype (fp32 master weights for the optimizer), its forward casts them to
+            ``param_dtype``; ignored when ``plan`` is given (its own policy applies).
         replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
             values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
             batch of an epoch), capture and plan the model again for them, with every
@@ -365,9 +379,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                    parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                    memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
                    replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs,
-                   constraints=constraints)
+                   constraints=constraints,
+                   mp_policy=plan.mp_policy if plan is not None else precision.check_policy(mp_policy))
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
-        traced = _trace(model, meta_inputs, stamp_layers)
+        traced = _trace(model, meta_inputs, stamp_layers, options["mp_policy"])
         if plan is None:
             plan = _plan_on_rank0(traced, mesh, options)
         else:
@@ -432,10 +447,11 @@ def _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir) -> tupl
     return mesh, cost_model
 
 
-def _trace(model: nn.Module, meta_inputs, stamp_layers: bool):
-    """The captured graph of ``model`` on ``meta_inputs`` (:class:`ColoTracer`), logged."""
+def _trace(model: nn.Module, meta_inputs, stamp_layers: bool, mp_policy: MixedPrecisionPolicy | None = None):
+    """The captured graph of ``model`` on ``meta_inputs`` under ``mp_policy``
+    (:class:`ColoTracer`), logged."""
     t0 = time.perf_counter()
-    traced = ColoTracer(stamp=stamp_layers).trace(model, meta_inputs)
+    traced = ColoTracer(stamp=stamp_layers, mp_policy=mp_policy).trace(model, meta_inputs)
     log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
              time.perf_counter() - t0)
     return traced
@@ -548,7 +564,7 @@ class _Recapture:
                                                                             device="meta"),
                                         dict(kwargs) if self.keywords else tuple(args))
             self.skeleton.train(pmodel.training)
-            traced = ColoTracer(stamp=self.stamp_layers).trace(self.skeleton, meta)
+            traced = ColoTracer(stamp=self.stamp_layers, mp_policy=self.options["mp_policy"]).trace(self.skeleton, meta)
             self.captures += 1
             held = list(pmodel.named_parameters(remove_duplicate=False)) + \
                 list(pmodel.named_buffers(remove_duplicate=False))
