@@ -340,7 +340,8 @@ class _PerDeviceGraph:
         em = self.em
         call = LocalCall(node, tuple(args), kwargs, np_.in_shapes, np_.out_shapes, np_.input_specs,
                          np_.output_specs, self.plan.mesh.shape, self.graph, lambda x, a: em.wait(
-                             em.call(c10d.all_reduce.default, x, "sum", em.groups[a])))
+                             em.call(c10d.all_reduce.default, x, "sum", em.groups[a])),
+                         coord=em.coord_of, group=lambda a: em.groups[a])
         record = record_of(node.target)
         since = _tail(self.graph)
         self.env[node] = record.local(call) if record is not None and record.local is not None else call.emit()

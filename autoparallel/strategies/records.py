@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import bind_args
-from ..placement import Spec, local_shape, num_shards
+from ..placement import Spec, local_shape, num_shards, shard_axes
 
 
 @dataclass
@@ -48,6 +48,10 @@ class LocalCall:
         graph: the per-device graph being built.
         all_reduce: ``all_reduce(x, axis)`` emits a sum of ``x`` over mesh axis ``axis``
             and returns its result.
+        coord: ``coord(axis)``, this device's coordinate along mesh axis ``axis`` (a node:
+            a 1-element int64 tensor); ``None`` where the caller has no mesh coordinate.
+        group: ``group(axis)``, the process-group name of mesh axis ``axis`` (what
+            ``_c10d_functional`` collectives take); ``None`` likewise.
     """
 
     node: fx.Node
@@ -60,6 +64,8 @@ class LocalCall:
     mesh_shape: tuple[int, ...]
     graph: fx.Graph
     all_reduce: Callable[[fx.Node, int], fx.Node]
+    coord: Callable[[int], fx.Node] | None = None
+    group: Callable[[int], str] | None = None
 
     def call(self, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
         """Emit ``target(*args, **kwargs)``, tagged with the traced node's module path."""
@@ -92,6 +98,25 @@ class LocalCall:
     def pieces(self, i: int, dim: int) -> int:
         """Into how many pieces dim ``dim`` of tensor input ``i`` is split."""
         return num_shards(self.input_specs[i], dim, self.mesh_shape)
+
+    def all_reduce_max(self, x: fx.Node, axis: int) -> fx.Node:
+        """Emit an elementwise maximum of ``x`` over mesh axis ``axis`` (a
+        ``_c10d_functional.all_reduce`` with op ``"max"``, then its wait); its result."""
+        c10d = torch.ops._c10d_functional
+        return self.call(c10d.wait_tensor.default, (self.call(c10d.all_reduce.default, (x, "max", self.group(axis))),))
+
+    def first_row(self, i: int, dim: int) -> fx.Node:
+        """The global index of the first row of this device's piece of dim ``dim`` of tensor
+        input ``i`` (a 1-element int64 tensor): the piece number (the mesh axes splitting the
+        dim, ascending, count as digits, the first the most significant, as DTensor nests
+        them) times the rows of a piece, ``ceil(size / pieces)``."""
+        size, n = self.in_shapes[i][dim], self.pieces(i, dim)
+        index = None
+        for a in shard_axes(self.input_specs[i], dim):
+            c = self.coord(a)
+            index = c if index is None else self.call(torch.ops.aten.add.Tensor, (
+                self.call(torch.ops.aten.mul.Tensor, (index, self.mesh_shape[a])), c))
+        return self.call(torch.ops.aten.mul.Tensor, (index, -(-size // n)))
 
 
 @dataclass(frozen=True)

@@ -429,11 +429,43 @@ def weight_norm_rule(node, in_shapes, out_shapes):
     return DimMap([lv, lg], [lv], list(in_shapes), list(out_shapes))
 
 
-@record(aten.embedding.default)
+def local_embedding(call: LocalCall):
+    """``embedding`` with the vocabulary (weight dim 0) split, Megatron-LM's vocab-parallel
+    embedding (Shoeybi et al. 2019, §3): each device looks up the ids in its own row range
+    ``[lo, lo + rows)`` and writes zeros for the others, so the devices' outputs sum to the
+    dense lookup (a ``Partial`` output). The lookup's backward scatters each gradient row
+    into the owning device's weight rows only (the masked rows get zeros), which is the
+    dense gradient restricted to the shard. A ``padding_idx`` (a global row) keeps its
+    value and gets no gradient, as in the dense op."""
+    if call.pieces(0, 0) == 1:
+        return call.emit()
+    a = call.bound()
+    w, ids, pad = a["weight"], a["indices"], a["padding_idx"]
+    rows = -(-call.in_shapes[0][0] // call.pieces(0, 0))
+    local = call.call(aten.sub.Tensor, (ids, call.first_row(0, 0)))
+    mine = call.call(aten.logical_and.default, (call.call(aten.ge.Scalar, (local, 0)),
+                                                call.call(aten.lt.Scalar, (local, rows))))
+    looked = call.call(aten.embedding.default, (w, call.call(aten.where.ScalarOther, (mine, local, 0))))
+    out = call.call(aten.where.ScalarOther, (call.call(aten.unsqueeze.default, (mine, -1)), looked, 0.0))
+    if pad is None or pad < 0:
+        return out
+    is_pad = call.call(aten.unsqueeze.default, (call.call(aten.eq.Scalar, (ids, pad)), -1))
+    return call.call(aten.where.self, (is_pad, call.call(aten.detach.default, (out,)), out))
+
+
+@record(aten.embedding.default, local=local_embedding)
 def embedding_rule(node, in_shapes, out_shapes):
+    """``embedding(weight (V, E), indices)``: the ids may be split any way with the output,
+    the embedding dim ``E`` with the weight, and the vocabulary ``V`` (weight rows) too,
+    which leaves a ``Partial`` output (:func:`local_embedding`; the ids replicated along
+    that mesh axis). Not the vocabulary with ``scale_grad_by_freq`` (counts over the
+    masked local ids would differ) or ``sparse`` gradients."""
     w, idx = in_shapes
     li = _labels(len(idx), "i")
-    return DimMap([(None, "e"), li], [li + ("e",)], list(in_shapes), list(out_shapes))
+    a = op_args(node)
+    vocab = "v" if not (a["scale_grad_by_freq"] or a["sparse"]) else None
+    return DimMap([(vocab, "e"), li], [li + ("e",)], list(in_shapes), list(out_shapes),
+                  reduce=frozenset({"v"}), factors=frozenset({1}))
 
 
 @record(aten.scaled_dot_product_attention.default)

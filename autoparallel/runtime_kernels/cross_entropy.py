@@ -1,0 +1,199 @@
+"""Vocab-parallel cross-entropy: the local parts of Megatron-LM's parallel loss.
+
+Shoeybi et al. 2019 (Megatron-LM, §3) compute the softmax cross-entropy of logits whose
+class (vocabulary) dim is split across devices without gathering them: each device takes
+the row maximum and the sum of exponentials over its own classes, two all-reduces (max,
+then sum) give every device the row's log-sum-exp, and the target's logit comes from the
+device that owns it. Here the collectives are ``_c10d_functional`` all-reduces in the
+emitted graph, between the two local steps of this module
+(:func:`~autoparallel.strategies.losses.local_cross_entropy` emits them):
+
+1. :func:`local_logsumexp`: per row, this device's maximum ``m`` and ``Σ exp(x - m)``.
+2. all-reduce max of ``m`` → ``M``; all-reduce sum of ``s · exp(m - M)`` → ``S``;
+   ``lse = M + log S``.
+3. :func:`vocab_parallel_cross_entropy`: this device's share of each row's loss (the
+   devices' shares sum to torch's ``cross_entropy`` with ``reduction='none'``: a
+   ``Partial`` value), with a backward that is exact and local (softmax minus one-hot,
+   no collective).
+
+For a row with target ``t`` (not ``ignore_index``), class weights ``w`` (ones without a
+weight), ``W = Σ_c w_c``, ``C`` classes and smoothing ``ε``, torch computes
+(``aten/src/ATen/native/LossNLL.cpp``, ``cross_entropy_loss_label_smoothing``)::
+
+    loss = (1 - ε) · w_t · (lse - x_t) + ε / C · (W · lse - Σ_c w_c x_c)
+
+and 0 for an ignored row. A device's share keeps the terms of its own classes: the first
+term where it owns ``t``, and ``W_local · lse - Σ_{c local} w_c x_c`` of the second. The
+gradient with respect to a local logit is::
+
+    ∂loss/∂x_c = ((1 - ε) · w_t + ε / C · W) · softmax_c - (1 - ε) · w_t · [c = t] - ε / C · w_c
+
+which needs only ``lse`` and the (replicated) weight. On CUDA the three steps run as triton
+kernels (:mod:`.cross_entropy_triton`); elsewhere as the torch code below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["local_logsumexp", "vocab_parallel_cross_entropy"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors when triton is installed; torch code otherwise."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Logits ``(N, C_local, d1, ...)`` (or ``(N, C_local)``) as contiguous rows ``(M, C_local)``."""
+    return x.movedim(1, -1).reshape(-1, x.shape[1]).contiguous() if x.dim() > 2 else x.contiguous()
+
+
+def _unrows(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_rows`: rows ``(M, C_local)`` back in the layout of ``like``."""
+    if like.dim() <= 2:
+        return g.view(like.shape)
+    return g.view(like.shape[0], *like.shape[2:], like.shape[1]).movedim(-1, 1)
+
+
+# ---------------------------------------------------------------- torch code
+def torch_logsumexp_stats(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row maximum ``m`` and ``Σ exp(x - m)`` of rows ``(M, C_local)``, float32 ``(M,)`` each."""
+    x = xr.float()
+    m = x.amax(dim=1)
+    return m, torch.exp(x - m[:, None]).sum(dim=1)
+
+
+def _weights(weight, t, kept, first, n_local: int, n_classes: int):
+    """``(w_t, w_local, W, W_local)``: the target's class weight per row (0 when ignored), the
+    weights of the local classes ``(n_local,)``, their global and local sums; ones without a
+    weight (``w_local`` is then ``None``)."""
+    if weight is None:
+        return kept.float(), None, float(n_classes), float(n_local)
+    w = weight.float()
+    w_t = w[torch.where(kept, t, 0)] * kept
+    w_local = w.index_select(0, first + torch.arange(n_local, device=w.device))
+    return w_t, w_local, w.sum(), w_local.sum()
+
+
+def torch_loss(xr, t, weight, lse, first, n_classes: int, ignore_index: int, smoothing: float) -> torch.Tensor:
+    """This device's share of each row's loss (module docstring), float32 ``(M,)``."""
+    x = xr.float()
+    kept = t != ignore_index
+    local = t - first
+    own = kept & (local >= 0) & (local < x.shape[1])
+    x_t = x.gather(1, torch.where(own, local, 0)[:, None]).squeeze(1)
+    w_t, w_local, _, w_local_sum = _weights(weight, t, kept, first, x.shape[1], n_classes)
+    loss = (1 - smoothing) * torch.where(own, w_t * (lse - x_t), 0.0)
+    if smoothing:
+        wx = x.sum(1) if w_local is None else x @ w_local
+        loss = loss + smoothing / n_classes * torch.where(kept, w_local_sum * lse - wx, 0.0)
+    return loss
+
+
+def torch_grad(xr, t, weight, lse, first, grad, n_classes: int, ignore_index: int, smoothing: float) -> torch.Tensor:
+    """Gradient of the summed loss with respect to the local logits ``(M, C_local)``, given
+    ``grad`` ``(M,)``, the gradient of each row's (global) loss (module docstring)."""
+    x = xr.float()
+    kept = t != ignore_index
+    local = t - first
+    own = kept & (local >= 0) & (local < x.shape[1])
+    w_t, w_local, w_sum, _ = _weights(weight, t, kept, first, x.shape[1], n_classes)
+    g = torch.where(kept, grad.float(), 0.0)
+    coef = (1 - smoothing) * w_t + smoothing / n_classes * w_sum
+    d = coef[:, None] * torch.exp(x - lse[:, None])
+    if smoothing:
+        d = d - smoothing / n_classes * (1.0 if w_local is None else w_local[None, :])
+    d = d * g[:, None]
+    hit = torch.where(own, (1 - smoothing) * w_t * g, 0.0)
+    return d.scatter_add(1, torch.where(own, local, 0)[:, None], -hit[:, None])
+
+
+# ---------------------------------------------------------------- entry points
+def local_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the local logits, the maximum ``m`` over this device's classes and
+    ``Σ exp(x - m)`` over them.
+
+    Args:
+        x: local logits ``(N, C_local)`` or ``(N, C_local, d1, ...)`` (classes in dim 1).
+
+    Returns:
+        ``(m, s)``, float32, ``(M,)`` each, ``M`` = the number of rows (``N · d1 · ...``);
+        no autograd history (the loss's gradient does not depend on them:
+        :func:`vocab_parallel_cross_entropy` computes it).
+    """
+    with torch.no_grad():
+        xr = _rows(x)
+        if _use_triton(xr):
+            from .cross_entropy_triton import triton_logsumexp_stats
+            return triton_logsumexp_stats(xr)
+        return torch_logsumexp_stats(xr)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, weight, lse, first, n_classes, ignore_index, smoothing):
+        xr, t = _rows(x), target.reshape(-1)
+        args = (weight, lse, first)
+        if _use_triton(xr):
+            from .cross_entropy_triton import triton_loss
+            loss = triton_loss(xr, t, *args, n_classes, ignore_index, smoothing)
+        else:
+            loss = torch_loss(xr, t, *args, n_classes, ignore_index, smoothing)
+        ctx.save_for_backward(x, target, *(() if weight is None else (weight,)), lse, first)
+        ctx.consts = (weight is not None, n_classes, ignore_index, smoothing)
+        return loss.view(target.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        has_weight, n_classes, ignore_index, smoothing = ctx.consts
+        saved = list(ctx.saved_tensors)
+        x, target = saved[0], saved[1]
+        weight = saved[2] if has_weight else None
+        lse, first = saved[-2], saved[-1]
+        xr, t, g = _rows(x), target.reshape(-1), grad.reshape(-1)
+        if _use_triton(xr):
+            from .cross_entropy_triton import triton_grad
+            d = triton_grad(xr, t, weight, lse, first, g, n_classes, ignore_index, smoothing)
+        else:
+            d = torch_grad(xr, t, weight, lse, first, g, n_classes, ignore_index, smoothing)
+        return _unrows(d.to(x.dtype), x), None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                                 lse: torch.Tensor, first: torch.Tensor, n_classes: int,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """This device's share of torch's ``cross_entropy(..., reduction='none')`` over logits
+    whose classes are split (module docstring): the devices' results sum to the dense loss.
+
+    Args:
+        x: local logits ``(N, C_local)`` or ``(N, C_local, d1, ...)``; classes
+            ``[first, first + C_local)`` of ``n_classes``.
+        target: global class ids ``(N,)`` or ``(N, d1, ...)`` (int64).
+        weight: class weights ``(n_classes,)``, whole on every device, or ``None``. Its
+            gradient is not computed: a weight that requires one raises.
+        lse: the global log-sum-exp of each row, float32 ``(M,)`` (module docstring, step 2).
+        first: this device's first class, a 1-element int64 tensor.
+        n_classes: ``C``, the global number of classes.
+        ignore_index: target value whose rows contribute 0 (and get no gradient).
+        label_smoothing: ``ε`` in ``[0, 1]``.
+
+    Returns:
+        The local share of each element's loss, shaped like ``target``, in ``x``'s dtype;
+        its backward gives the exact gradient of the global loss for the local logits,
+        with no collective.
+
+    Raises:
+        ValueError: ``weight`` requires a gradient while autograd records.
+    """
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("vocab_parallel_cross_entropy: the class weight requires a gradient, which the "
+                         "vocab-parallel loss does not compute; detach the weight (or keep the classes whole)")
+    return _VocabParallelCrossEntropy.apply(x, target, weight, lse, first, n_classes, ignore_index,
+                                            float(label_smoothing))
