@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install torchvision==0.28.0
-	$(PIP) install -e '.[hf,test]'
+	$(PIP) install -e '.[hf,test,triton]'
 	touch $(STAMP)
 
 test: $(STAMP)

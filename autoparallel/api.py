@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from . import cache, errors, precision
@@ -108,7 +109,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                          traced_on=traced.device, outputs=outputs, whole_outputs=whole)
     t_memory = time.perf_counter() - t2
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_layers=share_layers,
-                      memory=memory, outputs=outputs, whole_outputs=whole)
+                      memory=memory, outputs=outputs, whole_outputs=whole,
+                      reduce_dtype=precision.reduce_dtype(mp_policy))
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     plan.estimate["costs"] = cost_model.describe()
     st = plan.solver_stats
@@ -120,6 +122,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["stamped_layers"] = traced.stamped_layers
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
+    plan.mp_policy = mp_policy
     plan.mp_policy = mp_policy
     if user_pins:
         plan.solver_stats["constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
@@ -196,6 +199,11 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             ``.full_tensor()`` gathers it on demand) while a 0-d loss comes back whole;
             ``"replicated"``: every output whole on every device. The plan prices exactly
             this (docs/design.md, "Outputs").
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: every
+            dtype the model's own, as today): the graph is captured and priced with parameters
+            cast to ``param_dtype`` in the forward (fp32 master parameters, gradients and
+            optimizer states), gradients reduced in ``reduce_dtype``; recorded in
+            ``plan.mp_policy`` (:mod:`autoparallel.precision`; docs/design.md, "Mixed precision").
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: every
             dtype the model's own, as today): the graph is captured and priced with parameters
             cast to ``param_dtype`` in the forward (fp32 master parameters, gradients and
@@ -332,6 +340,9 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
             plan's own ``plan.outputs`` applies.
         constraints: placements to keep, ``{pattern: placements}`` (see :func:`plan`).
+        mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
+            model's dtype (fp32 master weights for the optimizer), its forward casts them to
+            ``param_dtype``; ignored when ``plan`` is given (its own policy applies).
         mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
             model's dtype (fp32 master weights for the optimizer), its forward casts them to
             ``param_dtype``; ignored when ``plan`` is given (its own policy applies).

@@ -40,3 +40,74 @@ VOCAB_SAMPLES = {
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_every_vocab_parallel_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
     _check_all_strategies(name, mesh_shape, sim_mesh, set(), samples=VOCAB_SAMPLES)
+
+
+# ---------------------------------------------------------------- the local kernels
+CASES = {  # (rows, classes, pieces, weight, ignore_index, label_smoothing, dtype)
+    "plain": (6, 16, 4, False, -100, 0.0, torch.float32),
+    "weight_ignore_smoothing": (7, 12, 3, True, 5, 0.2, torch.float32),
+    "smoothing_no_weight": (5, 20, 2, False, -100, 0.1, torch.float32),
+    "one_piece_weight": (4, 9, 1, True, -100, 0.0, torch.float32),
+    "bf16_logits": (6, 16, 4, True, 2, 0.1, torch.bfloat16),
+    "long_rows": (3, 2 * 4096 + 40, 2, True, -100, 0.1, torch.float32),  # several blocks per row
+}
+
+
+def check_kernels(impl: str, case: str) -> None:
+    """The classes cut into ``pieces``, each handled as one device would (statistics, then the
+    global log-sum-exp combined as the all-reduces do, then the loss share and the gradient):
+    the shares sum to ``F.cross_entropy(reduction='none')`` and the gradients, side by side,
+    equal autograd's. ``impl``: "torch" (the torch code) or "triton" (the kernels; on CPU
+    only under ``TRITON_INTERPRET=1`` set before triton is imported)."""
+    from autoparallel.runtime_kernels import cross_entropy as ce
+
+    if impl == "torch":
+        stats, loss_fn, grad_fn = ce.torch_logsumexp_stats, ce.torch_loss, ce.torch_grad
+    else:
+        from autoparallel.runtime_kernels import cross_entropy_triton as tri
+        stats, loss_fn, grad_fn = tri.triton_logsumexp_stats, tri.triton_loss, tri.triton_grad
+    rows, n, pieces, has_w, ignore, eps, dtype = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    t = torch.randint(0, n, (rows,), generator=g)
+    t[1] = ignore if ignore >= 0 else -100
+    w = torch.rand(n, generator=g) + 0.5 if has_w else None
+    up = torch.randn(rows, generator=g)
+
+    xd = x.float().requires_grad_()
+    ref = F.cross_entropy(xd, t, weight=w, ignore_index=ignore, label_smoothing=eps, reduction="none")
+    ref.backward(up)
+
+    per = n // pieces
+    parts = [x[:, k * per:(k + 1) * per].contiguous() for k in range(pieces)]
+    ms, ss = zip(*(stats(p) for p in parts))
+    top = torch.stack(ms).amax(0)  # the all-reduce (max)
+    lse = top + torch.log(sum(s * torch.exp(m - top) for m, s in zip(ms, ss)))  # the all-reduce (sum)
+    firsts = [torch.tensor([k * per]) for k in range(pieces)]
+    share = sum(loss_fn(p, t, w, lse, f, n, ignore, eps) for p, f in zip(parts, firsts))
+    grad = torch.cat([grad_fn(p, t, w, lse, f, up, n, ignore, eps) for p, f in zip(parts, firsts)], 1)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(share, ref.detach(), **tol, msg=lambda m: f"{impl} {case}, loss: {m}")
+    torch.testing.assert_close(grad, xd.grad, **tol, msg=lambda m: f"{impl} {case}, gradient: {m}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_kernels_sum_to_torch_cross_entropy(case):
+    check_kernels("torch", case)
+
+
+@pytest.mark.slow  # 8-11 s here, mostly the fresh interpreter's imports
+def test_triton_kernels_sum_to_torch_cross_entropy_under_the_interpreter():
+    """:func:`check_kernels` for the triton kernels, every case, in a fresh interpreter with
+    ``TRITON_INTERPRET=1``: triton reads it when its own language functions are decorated,
+    at its first import, so it cannot be switched on in a process that imported triton."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
+    code = "import test_vocab_parallel as t\nfor c in sorted(t.CASES): t.check_kernels('triton', c)\n"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]

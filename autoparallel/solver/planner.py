@@ -90,11 +90,13 @@ class Planner:
         whole_outputs: indices (in :func:`~autoparallel.graph.output_leaves` order) of outputs
             returned replicated whatever ``outputs`` says: buffer write-backs
             (:func:`written_back_outputs`).
+        reduce_dtype: the dtype parameter gradients are all-reduced in (a mixed-precision
+            policy's, :func:`autoparallel.precision.reduce_dtype`); ``None``: their own.
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
                  share_layers: bool = True, memory: MemoryModel | None = None, outputs: str = "replicated",
-                 whole_outputs: frozenset[int] = frozenset()):
+                 whole_outputs: frozenset[int] = frozenset(), reduce_dtype: torch.dtype | None = None):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -105,6 +107,7 @@ class Planner:
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
+        self.reduce_dtype = reduce_dtype
         self._layer = {n: layer_of(n) for n in self.nodes}
         self._pinned = aliased_edges(self.nodes)
         self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}
@@ -146,7 +149,7 @@ class Planner:
         if node.name not in self._grad_params:
             return 0.0, 0.0
         shape, dtype = node_info(node).outputs[0]
-        nbytes = _local_bytes(shape, dtype, s.outputs[0], self.mesh.shape)
+        nbytes = _local_bytes(shape, self.reduce_dtype or dtype, s.outputs[0], self.mesh.shape)
         times = [self.cm.grad_reduction_time(a, nbytes) for a, p in enumerate(s.outputs[0])
                  if p == R and self.mesh.shape[a] > 1]
         return (times[0], sum(times[1:])) if times else (0.0, 0.0)
