@@ -16,7 +16,6 @@ import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from . import cache, errors, precision
@@ -122,7 +121,6 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["stamped_layers"] = traced.stamped_layers
     plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
-    plan.mp_policy = mp_policy
     plan.mp_policy = mp_policy
     if user_pins:
         plan.solver_stats["constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)

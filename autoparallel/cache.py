@@ -36,7 +36,8 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.3.0"  # 0.3.0: exposed gradient communication, plan.outputs, redistributions
+VERSION = "0.4.0"  # 0.4.0: alternatives, parameter names and memory timeline for summary/explain/plot
+# 0.3.0: exposed gradient communication, plan.outputs, redistributions
 
 
 def cache_path(cache_dir) -> Path | None:

@@ -317,12 +317,17 @@ class Plan:
         return out
 
     def table(self, all_nodes: bool = False) -> str:
-        """The plan as a text table; bookkeeping nodes with no cost are left out unless ``all_nodes``."""
+        """The plan as a text table, one row per node, placements in the named notation
+        (:func:`autoparallel.constraints.format_spec`); bookkeeping nodes with no cost are left
+        out unless ``all_nodes``."""
+        from .summary import named_specs
+
         rows = []
         for n in self.nodes.values():
             if not all_nodes and n.op in ("placeholder", "getitem") and not n.comm_s:
                 continue
-            rows.append([n.name, n.op, n.module_path, n.specs_str(), f"{n.compute_s:.3g}", f"{n.comm_s:.3g}",
+            rows.append([n.name, n.op, n.module_path, named_specs(self, n.input_specs, n.output_specs),
+                         f"{n.compute_s:.3g}", f"{n.comm_s:.3g}",
                          n.memory_bytes])
         hdr = ["node", "op", "module", "input specs → output spec", "compute s", "comm s", "memory B"]
         est = self.estimate
@@ -341,7 +346,45 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        return self.table()
+        """The one-screen summary (:mod:`autoparallel.summary`); :meth:`table` lists every node."""
+        from .summary import summary
+
+        return summary(self)
+
+    @property
+    def state_nodes(self) -> dict[str, list[str]]:
+        """``get_attr`` node name → every name of its parameter or buffer (tied names too),
+        recorded at solve time in ``solver_stats["state_nodes"]`` (empty in older plans)."""
+        return self.solver_stats.get("state_nodes", {})
+
+    @property
+    def alternatives(self) -> dict[str, dict]:
+        """Node name → its chosen strategy and next best alternatives, priced at solve time
+        (:func:`autoparallel.explain.alternatives`, in ``solver_stats["alternatives"]``)."""
+        return self.solver_stats.get("alternatives", {})
+
+    def explain(self, name: str) -> str:
+        """Why ``name`` (a parameter or buffer name, a module path or a node) is placed as it
+        is: its chosen strategy and the next best alternatives with their differences in
+        compute, communication and memory (definition: :mod:`autoparallel.explain`).
+
+        Raises:
+            KeyError: ``name`` designates nothing in the plan.
+        """
+        from .explain import explain
+
+        return explain(self, name)
+
+    def plot(self, path) -> list[str]:
+        """Write the plan's pictures (:func:`autoparallel.plot.plot`: per-layer step time and
+        the memory timeline) next to ``path`` (a ``.png`` file name); returns the files written.
+
+        Raises:
+            ImportError: matplotlib is missing (``pip install 'autoparallel[plot]'``).
+        """
+        from .plot import plot
+
+        return plot(self, path)
 
     def to_json(self) -> str:
         return json.dumps({

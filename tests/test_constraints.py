@@ -80,7 +80,7 @@ def test_constrained_plan_honours_every_constraint_and_costs_no_less(gpt2):
     logits = [c for c in plan.redistributions if c.dst == "output" and c.arg == 1]
     produced = [n for n in plan.nodes.values() if n.out_shapes and n.out_shapes[0] == (4, 16, 128)]
     assert any(n.output_specs[0] == (Shard(0), Shard(1)) for n in produced) and not logits
-    assert plan.solver_stats["constraints"]["transformer.h.*.mlp.c_proj.weight"] == "S0(tp)"
+    assert plan.solver_stats["placement_constraints"]["transformer.h.*.mlp.c_proj.weight"] == "S0(tp)"
     assert plan.solver_stats["objective_s"] >= free.solver_stats["objective_s"] * (1 - 1e-9)
     assert plan.estimate["step_time_s"] >= free.estimate["step_time_s"] * (1 - 1e-9)
 

@@ -149,7 +149,7 @@ def test_plan_table_json_and_collectives():
     again = autoparallel.Plan.from_json(plan.to_json())
     assert again == plan and again.to_json() == plan.to_json()
     json.loads(plan.to_json())
-    table = str(plan)
+    table = plan.table()
     assert "input specs → output spec" in table and "transformer.h.0.attn" in table
     assert set(plan.param_placements) >= {"transformer.wte.weight", "lm_head.weight"}  # tied: both names
     assert plan.param_placements["transformer.wte.weight"] == plan.param_placements["lm_head.weight"]

@@ -21,6 +21,8 @@ from ..graph import aliased_input, is_view, layer_of, output_leaves, tensor_inpu
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
 from .shared_layers import layer_templates
+from ..explain import alternatives
+from ..plot import memory_timeline
 from .costs import CostModel, exposed_comm_time
 from .ilp import FixedCharge, ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
@@ -431,7 +433,21 @@ class Planner:
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
                                  memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats)
+        self._inspectable(plan, choice, built.edges, memory_budget)
         return plan
+
+    def _inspectable(self, plan: Plan, choice, edges, memory_budget) -> None:
+        """Record what the plan's summary, explain and plot read (:mod:`autoparallel.summary`):
+        parameter names per node, each node's alternatives, the memory timeline and budget."""
+        t0 = time.perf_counter()
+        plan.solver_stats["state_nodes"] = {n.name: list(self.param_names[n.target]) for n in self.nodes
+                                            if n.op == "get_attr" and n.target in self.param_names}
+        plan.solver_stats["alternatives"] = alternatives(self, choice, edges)
+        if self.memory is not None:
+            plan.estimate["memory_timeline"] = memory_timeline(self.memory, choice)
+        if memory_budget is not None:
+            plan.estimate["memory_budget_bytes"] = int(memory_budget)
+        plan.solver_stats["inspect_s"] = time.perf_counter() - t0
 
     def _decode(self, built: GroupedProblem, sol) -> dict[fx.Node, Strategy]:
         """Node → strategy of an ILP solution."""

@@ -1,0 +1,286 @@
+"""The plan as a person reads it: ``str(plan)``, one screen whatever the model's depth.
+
+Sections (:func:`summary`):
+
+* the mesh with its axis names and what priced the plan (a device preset or a profile);
+* the estimated step: compute, exposed communication and recomputation, seconds;
+* the modelled peak memory per device and its breakdown, against the budget if any;
+* the plan beside data parallelism and the hand-written recipes when
+  :func:`autoparallel.compare` priced them (``plan.estimate["baselines"]``);
+* how each input is split (batch, sequence);
+* per kind of parameter, repeated layers folded (``h.{0..11}.attn.c_attn.weight``): its
+  placement, and how it is used: as stored, stored sharded and all-gathered for compute,
+  or split further for compute;
+* the collectives of one repeated layer: kind, mesh axis, bytes per device, forward or
+  backward, and the gradient reductions of its parameters.
+
+Placements print in the named notation of :func:`autoparallel.constraints.format_spec`
+(``S0(dp) S1(tp)``), which ``constraints=`` reads back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import TYPE_CHECKING, Sequence
+
+from .constraints import format_spec
+from .placement import Spec
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(\.|$)")
+_BACKWARD = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+             "all_reduce": "all_reduce"}
+"""The backward collective of a forward move of a value with a gradient (:mod:`autoparallel.solver.layout`)."""
+
+
+def named(plan: "Plan", spec: Spec) -> str:
+    """``spec`` in the named notation of ``plan``'s mesh."""
+    return format_spec(spec, plan.mesh.axis_names)
+
+
+def named_specs(plan: "Plan", inputs: Sequence[Spec], outputs: Sequence[Spec]) -> str:
+    """``"<input specs> → <output specs>"`` in the named notation (outputs only when no input)."""
+    ins = ", ".join(named(plan, s) for s in inputs)
+    outs = ", ".join(named(plan, s) for s in outputs)
+    return f"{ins} → {outs}" if ins else outs
+
+
+def fold(name: str) -> tuple[str, int | None]:
+    """``("transformer.h.{}.attn.c_attn.weight", 3)`` for ``transformer.h.3.attn.c_attn.weight``:
+    the name with its outermost layer index taken out, and the index (``None`` outside layers)."""
+    m = _INDEXED.match(name)
+    if m is None:
+        return name, None
+    return f"{m.group(1)}.{{}}{m.group(3)}{name[m.end():]}", int(m.group(2))
+
+
+def ranges(indices) -> str:
+    """``"0..3,5"`` for indices 0, 1, 2, 3, 5; ``"0,2,..,30"`` for every other index up to 30."""
+    idx = sorted(set(indices))
+    steps = {b - a for a, b in zip(idx, idx[1:])}
+    if len(idx) > 3 and len(steps) == 1 and steps != {1}:
+        return f"{idx[0]},{idx[1]},..,{idx[-1]}"
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}..{a}")
+            start = b
+    return ",".join(out)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.4g} MiB"
+
+
+def _s(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1e-2 else f"{t * 1e3:.4g} ms"
+
+
+def _axes(plan: "Plan", axes) -> str:
+    return ",".join(plan.mesh.axis_names[a] for a in sorted(set(axes)))
+
+
+def summary(plan: "Plan") -> str:
+    """The one-screen summary of ``plan`` (module docstring)."""
+    parts = [_header(plan), _step(plan), _memory(plan), _compared(plan), _inputs(plan), _parameters(plan),
+             _layer_collectives(plan)]
+    return "\n".join(p for p in parts if p)
+
+
+def _header(plan: "Plan") -> str:
+    m = plan.mesh
+    axes = " × ".join(f"{n} ({a})" for a, n in zip(m.axis_names, m.shape))
+    costs = plan.estimate.get("costs") or "costs not recorded"
+    constraints = plan.solver_stats.get("placement_constraints")
+    line = f"plan for a mesh of {m.size} devices: {axes}; priced by {costs}"
+    if constraints:
+        line += "\nconstraints: " + ", ".join(f"{k} {v}" for k, v in constraints.items())
+    return line
+
+
+def step_parts(plan: "Plan") -> tuple[float, float, float, float]:
+    """``(step, compute, exposed communication, recomputation)`` seconds of the estimate."""
+    est = plan.estimate
+    recompute = plan.checkpoint.recompute_s if plan.checkpoint else 0.0
+    return est.get("step_time_s", 0.0), est.get("compute_s", 0.0), est.get("comm_s", 0.0), recompute
+
+
+def _step(plan: "Plan") -> str:
+    step, compute, comm, recompute = step_parts(plan)
+    line = (f"estimated step {_s(step)} = compute {_s(compute)} + exposed communication {_s(comm)}"
+            + (f" + recomputation {_s(recompute)}" if recompute else ""))
+    grad = plan.estimate.get("grad_comm_s")
+    if grad:
+        line += f" (gradient reduction {_s(grad)}, {_s(plan.estimate.get('exposed_grad_comm_s', grad))} exposed)"
+    return line
+
+
+def _memory(plan: "Plan") -> str:
+    mem = plan.estimate.get("memory")
+    peak = plan.estimate.get("peak_memory_bytes")
+    if not mem or peak is None:
+        return ""
+    budget = plan.estimate.get("memory_budget_bytes")
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.get("breakdown", {}).items() if v)
+    line = f"peak memory {_gib(peak)} per device" + (f" of a {_gib(budget)} budget" if budget else " (no budget)")
+    line += f", in the {mem.get('phase', '?')}: {parts}"
+    if plan.checkpoint:
+        line += f" (before recomputation {_gib(mem['peak_bytes'])})"
+    return line
+
+
+def _compared(plan: "Plan") -> str:
+    base = plan.estimate.get("baselines")
+    if not base:
+        return "compare with data parallelism and hand-written recipes: autoparallel.compare(model, meta_inputs, ...)"
+    step = plan.estimate.get("step_time_s", 0.0)
+    items = []
+    for name, b in base.items():
+        if "step_time_s" in b:
+            items.append(f"{name} {_s(b['step_time_s'])} ({b['step_time_s'] / step:.2f}x)" if step else name)
+        else:
+            items.append(f"{name}: not expressible")
+    return "this plan vs (same cost model, step): " + "; ".join(items)
+
+
+def _inputs(plan: "Plan") -> str:
+    lines = []
+    for n in plan.nodes.values():
+        if n.op != "placeholder" or not n.out_shapes:
+            continue
+        splits: dict[int, set[int]] = defaultdict(set)
+        for c in plan.redistributions:
+            if c.src == n.name:
+                for m in c.moves:
+                    if m.kind == "slice" and m.dst_dim is not None:
+                        splits[m.dst_dim].add(m.axis)
+        shape = list(n.out_shapes[0])
+        if not splits:
+            lines.append(f"  {n.name} {shape}: read whole on every device")
+            continue
+        dims = "; ".join(f"dim {d} ({_dim_name(d, len(shape))}) split over {_axes(plan, axes)}"
+                         for d, axes in sorted(splits.items()))
+        lines.append(f"  {n.name} {shape}: {dims}")
+    return "inputs (the global batch on every device, each op reads its part):\n" + "\n".join(lines) if lines else ""
+
+
+def _dim_name(d: int, ndim: int) -> str:
+    return {0: "batch", 1: "sequence"}.get(d, f"dim {d}") if ndim >= 2 else "batch"
+
+
+def parameter_use(plan: "Plan", node_name: str) -> str:
+    """How the parameter of get_attr node ``node_name`` is used: ``"as stored"``,
+    ``"all-gathered over tp"`` (stored sharded, gathered for compute), ``"split over dp"``
+    (stored whole or less split, split further for compute), or several of these."""
+    uses = set()
+    for c in plan.redistributions:
+        if c.src != node_name:
+            continue
+        kinds = defaultdict(set)
+        for m in c.moves:
+            kinds[m.kind].add(m.axis)
+        for kind, axes in sorted(kinds.items()):
+            word = {"all_gather": "all-gathered", "slice": "split", "all_to_all": "re-split (all-to-all)"}.get(kind, kind)
+            uses.add(f"{word} over {_axes(plan, axes)}")
+    return "; ".join(sorted(uses)) if uses else "as stored"
+
+
+def _parameters(plan: "Plan") -> str:
+    groups: dict[tuple, list] = defaultdict(list)
+    order = []
+    for node_name, names in plan.state_nodes.items():
+        node = plan.nodes.get(node_name)
+        if node is None or not names:
+            continue
+        key_name, idx = fold(names[0])
+        spec = plan.param_placements.get(names[0])
+        if spec is None:
+            continue
+        key = (key_name, named(plan, spec), parameter_use(plan, node_name), tuple(node.out_shapes[0]),
+               tuple(fold(t)[0] for t in names[1:]))
+        if key not in groups:
+            order.append(key)
+        groups[key].append(idx)
+    if not groups:
+        return ""
+    rows = []
+    for key in order:
+        name, spec, use, shape, tied = key
+        idx = [i for i in groups[key] if i is not None]
+        shown = name.format("{" + ranges(idx) + "}") if idx else name
+        if tied:
+            shown += f" (= {', '.join(t.format('{' + ranges(idx) + '}') if idx else t for t in tied)})"
+        rows.append((shown, str(list(shape)), spec, use))
+    return (f"parameters and buffers ({len(plan.state_nodes)} tensors, {len(rows)} kinds):\n"
+            + _columns([("name", "shape", "placement", "use in compute")] + rows))
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns, two spaces apart, indented by two."""
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(f"{c:<{w[i]}}" for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def layer_of_path(path: str) -> tuple[str, int] | None:
+    """``("model.layers", 3)`` for a module path under ``model.layers.3``, else ``None``."""
+    m = _INDEXED.match(path)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _layer_collectives(plan: "Plan") -> str:
+    layers: dict[str, set[int]] = defaultdict(set)
+    for n in plan.nodes.values():
+        key = layer_of_path(n.module_path) if n.module_path else None
+        if key:
+            layers[key[0]].add(key[1])
+    if not layers:
+        return _collective_rows(plan, "whole model", lambda path: True, lambda name: True)
+    out = []
+    for lst, idx in layers.items():
+        idx = sorted(idx)
+        shown = idx[len(idx) // 2]  # a middle layer: the first and last meet the rest of the model
+        inside = f"{lst}.{shown}"
+        out.append(_collective_rows(
+            plan, f"{lst}.{shown} (one of {lst}.{{{ranges(idx)}}})",
+            lambda path, p=inside: path == p or path.startswith(p + "."),
+            lambda name, p=inside: name.startswith(p + ".")))
+    return "\n".join(out)
+
+
+def _collective_rows(plan: "Plan", title: str, in_module, is_param) -> str:
+    """The collectives of the nodes ``in_module`` selects (by module path) and the gradient
+    reductions of the parameters ``is_param`` selects (by name), counted by kind, axis, bytes."""
+    count: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(kind, axis, nbytes, when):
+        row = count[(kind, plan.mesh.axis_names[axis], when)]
+        row[0] += 1
+        row[1] += nbytes
+
+    for c in plan.redistributions:
+        dst = plan.nodes.get(c.dst)
+        if dst is None or not in_module(dst.module_path):
+            continue
+        for m in c.moves:
+            if m.kind in ("slice", "mask"):
+                continue
+            back = _BACKWARD.get(m.kind)
+            add(m.kind, m.axis, m.nbytes, "forward" + (f"; its gradient: {back} in the backward" if back else ""))
+    for node_name, names in plan.state_nodes.items():
+        node = plan.nodes.get(node_name)
+        if node is None or not node.comm_s or not is_param(names[0]):
+            continue
+        spec = plan.param_placements[names[0]]
+        for a, p in enumerate(spec):
+            if p.is_replicate() and plan.mesh.shape[a] > 1:
+                add("all_reduce", a, node.memory_bytes // 2, "backward: parameter gradients")
+    if not count:
+        return f"collectives in {title}: none"
+    rows = [(f"{n} × {kind}", f"over {axis}", _gib(nbytes), when)
+            for (kind, axis, when), (n, nbytes) in sorted(count.items(), key=lambda kv: kv[0][2])]
+    total = sum(v[1] for v in count.values())
+    return (f"collectives in {title}, {_gib(total)} per device (bytes summed):\n"
+            + _columns([("count × kind", "mesh axis", "bytes", "when")] + rows))

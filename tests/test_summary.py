@@ -1,0 +1,104 @@
+"""str(plan) is a one-screen summary; plan.explain(name) gives the chosen strategy and the
+next best alternatives, taken from the solve."""
+
+import pytest
+import torch
+
+import autoparallel
+from autoparallel.summary import fold, ranges
+
+from models import hf_model
+
+MESH = autoparallel.MeshSpec((2, 2), ("dp", "tp"))
+
+
+def _plan(name, layers, **kw):
+    with torch.device("meta"):
+        model = hf_model(name, layers=layers)
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    return autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_spec=MESH, cache_dir=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan():
+    return _plan("gpt2", 4)
+
+
+def test_fold_and_ranges():
+    assert fold("transformer.h.3.attn.c_attn.weight") == ("transformer.h.{}.attn.c_attn.weight", 3)
+    assert fold("lm_head.weight") == ("lm_head.weight", None)
+    assert ranges([3, 0, 1, 2, 5]) == "0..3,5" and ranges([0, 2, 4, 6]) == "0,2,..,6" and ranges([7]) == "7"
+
+
+def test_summary_folds_layers_and_names_every_parameter_kind(gpt2_plan):
+    text = str(gpt2_plan)
+    lines = text.splitlines()
+    assert len(lines) <= 50, text
+    assert lines[0].startswith("plan for a mesh of 4 devices: 2 (dp) × 2 (tp); priced by preset a100")
+    for kind in {fold(n)[0] for n in gpt2_plan.param_placements}:
+        if kind == "lm_head.weight":  # tied to the embedding: printed beside it
+            assert "(= lm_head.weight)" in text
+            continue
+        head, _, tail = kind.partition("{}")
+        rows = [ln.split()[0] for ln in lines if ln.strip().startswith(head)]
+        assert any(r.endswith(tail) for r in rows), (kind, text)
+        if "{}" in kind:  # folded: no row names a single layer
+            assert not any(kind.format(i) in text for i in range(4)), kind
+    assert "transformer.h.{0..3}.attn.c_attn.weight" in text
+    for part in ("estimated step", "compute", "exposed communication", "peak memory", "inputs", "input_ids [4, 16]",
+                 "collectives in transformer.h.2 (one of transformer.h.{0..3})", "autoparallel.compare"):
+        assert part in text, part
+    assert " S0 " not in text and "S01" not in text  # placements carry mesh-axis names
+    assert "(dp)" in gpt2_plan.table() or "(tp)" in gpt2_plan.table() or " R " in gpt2_plan.table()
+
+
+def test_summary_length_does_not_grow_with_depth(gpt2_plan):
+    shallow = _plan("gpt2", 2)
+    assert len(str(gpt2_plan).splitlines()) == len(str(shallow).splitlines())
+    assert "transformer.h.{0..1}.mlp.c_fc.weight" in str(shallow)
+
+
+def _check_alternatives(plan):
+    checked = 0
+    for name, entry in plan.alternatives.items():
+        if "same_as" in entry:
+            assert entry["same_as"] in plan.alternatives
+            continue
+        costs = [a["cost_s"] for a in entry["alternatives"]]
+        assert costs == sorted(costs), name
+        chosen = entry["chosen"]["cost_s"]
+        assert all(c >= chosen - 1e-12 - 1e-9 * chosen for c in costs), (name, entry)
+        for a in entry["alternatives"]:
+            assert a["cost_s"] == pytest.approx(a["compute_s"] + a["comm_s"])
+        checked += 1
+    return checked
+
+
+def test_explain_alternatives_are_ordered_and_the_chosen_is_cheapest():
+    plan = _plan("gpt2", 2, share_layers=False)
+    assert _check_alternatives(plan) > 50
+
+
+def test_explain_alternatives_on_a_shared_layer_plan(gpt2_plan):
+    assert _check_alternatives(gpt2_plan) > 20
+    assert any("same_as" in e for e in gpt2_plan.alternatives.values())
+
+
+def test_explain_text(gpt2_plan):
+    text = gpt2_plan.explain("transformer.h.1.mlp.c_fc.weight")
+    assert text.splitlines()[0].startswith("transformer_h_1_mlp_c_fc_weight (get_attr, transformer.h.1.mlp.c_fc.weight")
+    assert "  chosen " in text and "  next best " in text and "communication" in text and "memory" in text
+    tied = gpt2_plan.explain("lm_head.weight")  # a tied name finds the embedding's node
+    assert "transformer.wte.weight" in tied
+    module = gpt2_plan.explain("transformer.h.0.mlp.c_fc")  # every node run in the module
+    assert module.count("  chosen ") >= 1 and "addmm" in module
+    node = next(n for n in gpt2_plan.alternatives if "same_as" not in gpt2_plan.alternatives[n])
+    assert gpt2_plan.explain(node).startswith(node)
+    with pytest.raises(KeyError, match="not a parameter, buffer, module path or node"):
+        gpt2_plan.explain("no.such.thing")
+
+
+def test_inspection_survives_json(gpt2_plan):
+    again = autoparallel.Plan.from_json(gpt2_plan.to_json())
+    assert str(again) == str(gpt2_plan)
+    assert again.explain("transformer.h.1.mlp.c_fc.weight") == gpt2_plan.explain("transformer.h.1.mlp.c_fc.weight")
