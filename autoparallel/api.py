@@ -123,7 +123,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
     plan.mp_policy = mp_policy
     if user_pins:
-        plan.solver_stats["constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
+        plan.solver_stats["placement_constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
                                             for k, v in constraints.items()}
     cache.store(folder, key, plan)
     return plan
