@@ -111,3 +111,71 @@ def test_triton_kernels_sum_to_torch_cross_entropy_under_the_interpreter():
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- a language model
+def _gpt2(vocab):
+    T = pytest.importorskip("transformers")
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=32, resid_pdrop=0,
+                       embd_pdrop=0, attn_pdrop=0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return T.GPT2LMHeadModel(cfg)
+
+
+def _lm_batch(step, vocab, batch=2, seq=16):
+    """Token ids over the whole vocabulary (every device owns some targets), a few ignored."""
+    g = torch.Generator().manual_seed(step)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels[:, ::5] = -100
+    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g), "labels": labels}
+
+
+@pytest.mark.slow  # about 10 s here
+def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(sim_mesh):
+    """GPT-2 (vocabulary 2048, 2 layers) at batch 2 on (4,), cpu preset: the batch cannot be
+    split four ways, and gathering 2048-wide logits or reducing the gradient of the 2048 × 64
+    tied embedding costs more than the loss's own all-reduces (2 × 32 floats), so the plan
+    splits the vocabulary: the token embedding (a pending sum), the LM head by its output
+    columns and the cross-entropy by its classes. Loss and every gradient equal one device's,
+    before and after an SGD step."""
+    import copy
+
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Shard
+
+    import autoparallel
+    from models import to_meta
+    from test_parity import assert_close
+
+    vocab = 2048
+    mesh = sim_mesh((4,))
+    ref = _gpt2(vocab)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ranks = frozenset(range(4))
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(_lm_batch(0, vocab)), device_mesh=mesh,
+                                              cost_model=autoparallel.CostModel("cpu"))
+        opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    nodes = pmodel.plan.nodes.values()
+    loss = next(n for n in nodes if n.op == "cross_entropy_loss.default")
+    wte = next(n for n in nodes if n.op == "embedding.default" and n.module_path == "transformer.wte")
+    assert loss.input_specs[0] == (Shard(1),), f"the loss should split the classes: {loss.specs_str()}"
+    assert wte.input_specs[0] == (Shard(0),), f"the embedding should split the vocabulary: {wte.specs_str()}"
+    code = pmodel.graph_module.code
+    assert "local_logsumexp" in code and "vocab_parallel_cross_entropy" in code and "'max'" in code
+    ref_params = dict(ref.named_parameters())
+    for step in range(2):
+        batch = _lm_batch(step, vocab)
+        ref_opt.zero_grad()
+        want = ref(**batch).loss
+        want.backward()
+        with LocalTensorMode(ranks):
+            opt.zero_grad()
+            got = pmodel(**batch).loss
+            got.backward()
+            assert_close(f"step {step} loss", got.detach(), want.detach())
+            for name, p in pmodel.named_parameters():
+                assert_close(f"step {step} grad of {name}", p.grad.full_tensor(), ref_params[name].grad)
+            opt.step()
+        ref_opt.step()
