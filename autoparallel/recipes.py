@@ -1,0 +1,367 @@
+"""Hand-written parallelization recipes as constraint sets, priced beside the plan.
+
+:func:`recipes` writes, for a model and a mesh, the constraints (:mod:`autoparallel.constraints`)
+of the recipes people write by hand:
+
+* **DDP**: every parameter replicated, the batch split over every mesh axis;
+* **FSDP (ZeRO-3)** (Rajbhandari et al., SC 2020, §5): every parameter stored split over
+  every mesh axis along its first dim they divide (replicated when none does), the batch
+  split over every axis; the planner chooses how the shards are used (in practice it
+  all-gathers them for compute, as FSDP does);
+* **Megatron TP** (Shoeybi et al., 2019, §3): in each repeated layer, column-parallel
+  projections (output features split) followed by a row-parallel one (input features split),
+  the embedding whose rows are the LM head's vocabulary and the LM head split by
+  vocabulary, other parameters replicated; on a 2-D mesh the first axis is data parallel
+  (the batch split over it) and the last axis the tensor-parallel one; on a 1-D mesh the
+  only axis is tensor parallel and the batch is not split;
+* **FSDP + TP** (2-D meshes): Megatron TP on the last axis, each parameter additionally
+  stored split over the first axis (FSDP) along its first dim that the split divides.
+
+Roles are found from the traced graph, not from module names: a *projection* is a 2-D
+parameter that a matrix product reads as its weight (``aten.linear``: ``[out, in]``;
+``aten.mm``/``addmm``/``matmul``: ``[in, out]``, so GPT-2's ``Conv1D`` is one too), with the
+bias the same op adds; an *embedding* is a parameter ``aten.embedding`` reads. Within a
+repeated layer, projections are visited in graph order: one whose input depends (inside
+the layer) on a still open column-parallel projection is row-parallel and closes them,
+any other is column-parallel (attention q/k/v → o, MLP up/gate → down, BERT's split
+modules alike). The LM head is the projection outside the layers with the most output
+features when that equals the largest embedding's rows (the vocabulary).
+
+:func:`compare` prices the plan and every recipe with the same cost model: each recipe is
+:func:`autoparallel.plan` with its constraints, so a recipe's row is exactly the plan
+solved with those constraints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from .constraints import format_spec
+from .errors import AutoParallelError
+from .graph import layer_of
+from .mesh import MeshSpec
+from .placement import R
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default: (1, None), aten.addmm.default: (2, 0), aten.matmul.default: (1, None)}
+"""Matrix products reading a weight ``[in, out]``: op → (weight position, bias position)."""
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+@dataclass
+class Projection:
+    """A parameter used as the weight of a matrix product.
+
+    Attributes:
+        weight / bias: parameter targets (``bias`` ``None`` when the product adds none).
+        out_dim: the weight's dim of output features (0 for ``[out, in]``, 1 for ``[in, out]``).
+        op: the product's node; layer: its repeated layer (:func:`~autoparallel.graph.layer_of`).
+        role: ``"column"`` or ``"row"`` inside a layer, ``"head"`` for the LM head, else ``""``.
+    """
+
+    weight: str
+    bias: str | None
+    out_dim: int
+    op: fx.Node
+    layer: tuple[str, int] | None
+    role: str = ""
+
+
+@dataclass
+class Roles:
+    """What :func:`find_roles` found: projections, embedding tables (target → rows), the
+    LM head's vocabulary (``None`` when there is no head), every parameter's target → shape,
+    and the tensor inputs (placeholder name → shape)."""
+
+    projections: list[Projection]
+    embeddings: dict[str, int]
+    vocab: int | None
+    params: dict[str, tuple[int, ...]]
+    inputs: dict[str, tuple[int, ...]]
+
+
+@dataclass
+class Recipe:
+    """A named constraint set, or why it cannot be written for this model and mesh
+    (``constraints`` ``None``); ``notes`` say where it departs from the textbook recipe."""
+
+    name: str
+    constraints: dict[str, str] | None
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def find_roles(traced) -> Roles:
+    """The projections (with their Megatron roles), embeddings and LM head of a traced model
+    (:class:`~autoparallel.tracer.capture.TracedModel`), found as the module docstring says."""
+    params = {}
+    projections: list[Projection] = []
+    embeddings: dict[str, int] = {}
+    inputs = {}
+    for node in traced.gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            inputs[node.name] = tuple(val.shape)
+        if node.op != "get_attr" or node.target not in traced.params:
+            continue
+        params[node.target] = tuple(val.shape)
+        if len(val.shape) != 2:
+            continue
+        for user in node.users:
+            proj = _projection(node, user)
+            if proj is not None:
+                projections.append(proj)
+            elif user.target is aten.embedding.default and user.args[0] is node:
+                embeddings[node.target] = val.shape[0]
+    _layer_roles(projections)
+    outside = [p for p in projections if p.layer is None]
+    vocab = None
+    if outside and embeddings:
+        head = max(outside, key=lambda p: params[p.weight][p.out_dim])
+        rows = params[head.weight][head.out_dim]
+        if rows == max(embeddings.values()):
+            head.role, vocab = "head", rows
+    return Roles(projections, embeddings, vocab, params, inputs)
+
+
+def _projection(weight: fx.Node, user: fx.Node) -> Projection | None:
+    """The projection ``weight`` is in ``user`` (through one transpose), or ``None``."""
+    transposed = user.target in _TRANSPOSES
+    op = next(iter(user.users), None) if transposed and len(user.users) == 1 else user
+    src = user if transposed else weight
+    if op is None or op.op != "call_function":
+        return None
+    if op.target is aten.linear.default and len(op.args) > 1 and op.args[1] is src:
+        out_dim, bias = 0, (op.args[2] if len(op.args) > 2 else None)
+    elif op.target in _MATMULS and len(op.args) > _MATMULS[op.target][0] and op.args[_MATMULS[op.target][0]] is src:
+        pos = _MATMULS[op.target][1]
+        out_dim, bias = 1, (op.args[pos] if pos is not None else None)
+    else:
+        return None
+    if transposed:
+        out_dim = 1 - out_dim
+    bias = bias.target if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+    return Projection(weight.target, bias, out_dim, op, layer_of(op))
+
+
+def _layer_roles(projections: list[Projection]) -> None:
+    """Column or row for the projections of each repeated layer (module docstring)."""
+    by_layer: dict = {}
+    for p in projections:
+        if p.layer is not None:
+            by_layer.setdefault(p.layer, []).append(p)
+    order = {}
+    for layer, projs in by_layer.items():
+        if not order:
+            order = {n: i for i, n in enumerate(projs[0].op.graph.nodes)}
+        projs.sort(key=lambda p: order[p.op])
+        open_cols: set[fx.Node] = set()
+        for p in projs:
+            if open_cols & _ancestors_in_layer(p.op, layer):
+                p.role = "row"
+                open_cols.clear()
+            else:
+                p.role = "column"
+                open_cols.add(p.op)
+
+
+def _ancestors_in_layer(node: fx.Node, layer) -> set[fx.Node]:
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        x = stack.pop()
+        if x in seen or layer_of(x) != layer:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+    return seen
+
+
+def _split(shape, dim: int, ways: int) -> bool:
+    return 0 <= dim < len(shape) and shape[dim] % ways == 0
+
+
+def _tp_specs(roles: Roles) -> dict[str, int | None]:
+    """Megatron TP: parameter target → the dim split over the tp axis (``None``: replicated)."""
+    out: dict[str, int | None] = {t: None for t in roles.params}
+    for p in roles.projections:
+        if p.role in ("column", "head"):
+            out[p.weight] = p.out_dim
+            if p.bias is not None:
+                out[p.bias] = 0
+        elif p.role == "row":
+            out[p.weight] = 1 - p.out_dim
+    for t, rows in roles.embeddings.items():
+        if roles.vocab is not None and rows == roles.vocab:
+            out[t] = 0
+    return out
+
+
+def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
+    """The constraint sets of DDP, FSDP, Megatron TP and FSDP + TP (module docstring) for a
+    traced model on ``mesh``; a recipe that cannot be written has ``constraints=None`` and
+    its ``reason``."""
+    roles = find_roles(traced)
+    names = mesh.axis_names
+    nd, size = mesh.ndim, mesh.size
+    every = tuple(range(nd))
+    out = []
+
+    def spec(on: dict[int, int]) -> str:  # mesh axis → tensor dim split
+        return format_spec(tuple(Shard(on[a]) if a in on else R for a in range(nd)), names)
+
+    def batch(axes) -> tuple[dict[str, str], str]:
+        ways = math.prod(mesh.shape[a] for a in axes)
+        bad = [n for n, s in roles.inputs.items() if s and s[0] % ways]
+        if bad:
+            return {}, f"the batch of {bad[0]} ({roles.inputs[bad[0]][0]}) is not divisible by {ways} devices"
+        return {n: spec({a: 0 for a in axes}) for n, s in roles.inputs.items() if s}, ""
+
+    dp_all, why = batch(every)
+    if why:
+        out += [Recipe("DDP", None, why), Recipe("FSDP (ZeRO-3)", None, why)]
+    else:
+        out.append(Recipe("DDP", {t: "R" for t in roles.params} | dp_all))
+        fsdp, notes = {}, []
+        for t, shape in roles.params.items():
+            d = next((d for d in range(len(shape)) if _split(shape, d, size)), None)
+            fsdp[t] = spec({a: d for a in every}) if d is not None else "R"
+            if d is None:
+                notes.append(t)
+        out.append(Recipe("FSDP (ZeRO-3)", fsdp | dp_all,
+                          notes=[f"{len(notes)} parameters no mesh split divides stay replicated"] if notes else []))
+    tp_axis = nd - 1
+    tp_name = f"Megatron TP over {names[tp_axis]}" + (f", DP over {', '.join(names[:-1])}" if nd > 1 else "")
+    if not any(p.role for p in roles.projections):
+        reason = "no repeated layer with projections (matrix products of 2-D parameters) found"
+        return out + [Recipe(tp_name, None, reason), Recipe("FSDP + TP", None, reason)]
+    tp = mesh.shape[tp_axis]
+    dims = _tp_specs(roles)
+    bad = [t for t, d in dims.items() if d is not None and not _split(roles.params[t], d, tp)]
+    if bad:
+        reason = f"{bad[0]} {list(roles.params[bad[0]])} cannot be split {tp} ways along dim {dims[bad[0]]}"
+        return out + [Recipe(tp_name, None, reason), Recipe("FSDP + TP", None, reason)]
+    dp_axes = tuple(range(nd - 1))
+    batch_dp, why = batch(dp_axes) if dp_axes else ({n: "R" for n, s in roles.inputs.items() if s}, "")
+    megatron = {t: spec({tp_axis: d} if d is not None else {}) for t, d in dims.items()}
+    out.append(Recipe(tp_name, megatron | batch_dp) if not why else Recipe(tp_name, None, why))
+    if nd < 2:
+        out.append(Recipe("FSDP + TP", None, "needs a 2-D mesh (FSDP over the first axis, TP over the last)"))
+        return out
+    dp = math.prod(mesh.shape[a] for a in dp_axes)
+    both, notes = {}, 0
+    for t, d in dims.items():
+        shape = roles.params[t]
+        fs = next((e for e in range(len(shape)) if _split(shape, e, dp * (tp if e == d else 1))), None)
+        notes += fs is None
+        on = {a: fs for a in dp_axes} if fs is not None else {}
+        if d is not None:
+            on[tp_axis] = d
+        both[t] = spec(on)
+    if why:
+        out.append(Recipe("FSDP + TP", None, why))
+    else:
+        note = [f"{notes} parameters stay replicated over {', '.join(names[:-1])}"] if notes else []
+        out.append(Recipe("FSDP + TP", both | batch_dp, notes=note))
+    return out
+
+
+@dataclass
+class Row:
+    """One line of a :class:`Comparison`: ``plan`` ``None`` when the recipe cannot be
+    expressed or planned (``reason``)."""
+
+    name: str
+    plan: object | None
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """The plan and the recipes priced by one cost model (:func:`compare`); ``rows[0]`` is
+    the unconstrained plan. ``str()`` prints the table."""
+
+    mesh: MeshSpec
+    rows: list[Row]
+
+    @property
+    def plan(self):
+        return self.rows[0].plan
+
+    def best_recipe(self) -> Row | None:
+        """The recipe with the shortest estimated step, ``None`` when none could be planned."""
+        done = [r for r in self.rows[1:] if r.plan is not None]
+        return min(done, key=lambda r: r.plan.estimate["step_time_s"]) if done else None
+
+    def __str__(self) -> str:
+        from .summary import _columns, _gib, _s, step_parts
+
+        base = self.plan.estimate["step_time_s"]
+        table = [("", "step", "vs plan", "compute", "exposed comm", "recompute", "peak memory")]
+        notes = []
+        for r in self.rows:
+            if r.plan is None:
+                table.append((r.name, "-", "", "", "", "", ""))
+                notes.append(f"  {r.name}: cannot be expressed: {r.reason}")
+                continue
+            step, compute, comm, recompute = step_parts(r.plan)
+            peak = r.plan.estimate.get("peak_memory_bytes")
+            table.append((r.name, _s(step), f"{step / base:.2f}x", _s(compute), _s(comm), _s(recompute),
+                          _gib(peak) if peak is not None else "?"))
+            notes += [f"  {r.name}: {n}" for n in r.notes]
+        m = self.mesh
+        head = (f"the plan vs hand-written recipes on {' × '.join(f'{n} ({a})' for a, n in zip(m.axis_names, m.shape))}, "
+                f"priced by {self.plan.estimate.get('costs', 'the same cost model')}:")
+        best = self.best_recipe()
+        tail = [f"best recipe: {best.name}, {best.plan.estimate['step_time_s'] / base:.2f}x the plan's step"] if best else []
+        return "\n".join([head, _columns(table)] + notes + tail)
+
+
+def compare(model, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None, **plan_options) -> Comparison:
+    """Plan ``model`` and price every recipe of :func:`recipes` with the same options.
+
+    Args:
+        model / meta_inputs / mesh_shape / mesh_spec: as :func:`autoparallel.plan`.
+        plan_options: further :func:`autoparallel.plan` keywords (``cost_model``,
+            ``memory_budget``, ``cache_dir``, ...), the same for every row.
+
+    Returns:
+        a :class:`Comparison`; the plan (``.plan``) also gets
+        ``estimate["baselines"]``: recipe name → ``step_time_s``, ``comm_s``,
+        ``peak_memory_bytes`` (or ``reason``), which ``str(plan)`` prints.
+
+    Raises:
+        TypeError: ``constraints`` among ``plan_options`` (a recipe is a constraint set).
+        The errors of :func:`autoparallel.plan` for the unconstrained plan; a recipe's
+        ConstraintError or InfeasiblePlanError becomes its row's reason.
+    """
+    from .api import _trace, plan
+
+    if "constraints" in plan_options:
+        raise TypeError("compare() prices the unconstrained plan against the recipes: pass no constraints")
+    if mesh_spec is None:
+        if mesh_shape is None:
+            raise ValueError("compare() needs mesh_shape=(...) or mesh_spec=MeshSpec(...)")
+        mesh_spec = MeshSpec(tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,))
+    best = plan(model, meta_inputs, mesh_spec=mesh_spec, **plan_options)
+    rows = [Row("autoparallel plan", best)]
+    traced = _trace(model, meta_inputs, plan_options.get("stamp_layers", True))
+    for r in recipes(traced, mesh_spec):
+        if r.constraints is None:
+            rows.append(Row(r.name, None, r.reason))
+            continue
+        try:
+            rows.append(Row(r.name, plan(model, meta_inputs, mesh_spec=mesh_spec, constraints=r.constraints,
+                                         **plan_options), notes=r.notes))
+        except AutoParallelError as e:
+            rows.append(Row(r.name, None, f"{type(e).__name__}: {e}"))
+    best.estimate["baselines"] = {
+        r.name: ({"step_time_s": r.plan.estimate["step_time_s"], "comm_s": r.plan.estimate["comm_s"],
+                  "peak_memory_bytes": r.plan.estimate.get("peak_memory_bytes")} if r.plan is not None
+                 else {"reason": r.reason}) for r in rows[1:]}
+    return Comparison(mesh_spec, rows)

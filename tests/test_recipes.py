@@ -1,0 +1,96 @@
+"""Hand-written recipes found from the graph (GPT-2's Conv1D, Llama, BERT) and priced by compare()."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+import autoparallel
+from autoparallel.api import _trace
+from autoparallel.placement import R
+from autoparallel.recipes import compare, find_roles, recipes
+
+from models import hf_model
+
+MESH = autoparallel.MeshSpec((2, 2), ("dp", "tp"))
+
+
+def _model(name, layers=2, batch=4):
+    with torch.device("meta"):
+        model = hf_model(name, layers=layers)
+    ids = torch.empty(batch, 16, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+# per layer, in graph order: the Megatron roles and each weight's dim of output features
+EXPECTED = {
+    "gpt2": (["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"], 1, "transformer.wte.weight"),
+    "llama": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj"], 0, "lm_head.weight"),
+    "bert": (["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+              "intermediate.dense", "output.dense"], 0, "bert.embeddings.word_embeddings.weight"),
+}
+ROLES = {"gpt2": "CRCR", "llama": "CCCRCCR", "bert": "CCCRCR"}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_roles_from_the_graph(name):
+    traced = _trace(*_model(name), True)
+    roles = find_roles(traced)
+    modules, out_dim, head = EXPECTED[name]
+    layer0 = [p for p in roles.projections if p.layer is not None and p.layer[1] == 0]
+    assert [p.weight.rsplit(".", 1)[0].split(".0.", 1)[1] for p in layer0] == modules
+    assert "".join(p.role[0].upper() for p in layer0) == ROLES[name]
+    assert all(p.out_dim == out_dim for p in layer0)
+    assert [p.weight for p in roles.projections if p.role == "head"] == [head] and roles.vocab == 128
+    assert sum(p.role == "column" for p in roles.projections) == 2 * ROLES[name].count("C")
+
+
+def test_recipe_constraints():
+    traced = _trace(*_model("llama"), True)
+    by = {r.name: r for r in recipes(traced, MESH)}
+    assert set(by) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
+    ddp, fsdp, tp, both = (by[k].constraints for k in by)
+    assert ddp["model.layers.0.mlp.up_proj.weight"] == "R" and ddp["input_ids"] == "S0(dp) S0(tp)"
+    assert fsdp["model.layers.0.mlp.up_proj.weight"] == "S0(dp) S0(tp)"
+    assert tp["model.layers.1.self_attn.q_proj.weight"] == "S0(tp)"  # column: output features
+    assert tp["model.layers.1.self_attn.o_proj.weight"] == "S1(tp)"  # row: input features
+    assert tp["model.embed_tokens.weight"] == "S0(tp)" and tp["lm_head.weight"] == "S0(tp)"  # vocabulary
+    assert tp["model.norm.weight"] == "R" and tp["input_ids"] == "S0(dp)"
+    assert both["model.layers.1.self_attn.o_proj.weight"] == "S0(dp) S1(tp)"
+    assert both["model.layers.1.self_attn.q_proj.weight"] == "S0(dp) S0(tp)"
+    one_d = {r.name: r for r in recipes(traced, autoparallel.MeshSpec((4,), ("x",)))}
+    assert one_d["FSDP + TP"].constraints is None and "2-D mesh" in one_d["FSDP + TP"].reason
+    assert one_d["Megatron TP over x"].constraints["input_ids"] == "R"
+    odd = {r.name: r for r in recipes(_trace(*_model("llama", batch=3), True), MESH)}
+    assert odd["DDP"].constraints is None and "not divisible by 4" in odd["DDP"].reason
+
+
+def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
+    model, inputs = _model("gpt2", layers=1)
+    mesh = autoparallel.MeshSpec((2,), ("x",))
+    c = compare(model, inputs, mesh_spec=mesh, cache_dir=False)
+    names = [r.name for r in c.rows]
+    assert names == ["autoparallel plan", "DDP", "FSDP (ZeRO-3)", "Megatron TP over x", "FSDP + TP"]
+    text = str(c)
+    assert "FSDP + TP: cannot be expressed: needs a 2-D mesh" in text and "best recipe: " in text
+    tp = c.rows[3]
+    assert tp.plan.param_placements["transformer.h.0.mlp.c_fc.weight"] == (Shard(1),)
+    assert tp.plan.param_placements["transformer.h.0.mlp.c_proj.weight"] == (Shard(0),)
+    assert tp.plan.param_placements["transformer.ln_f.weight"] == (R,)
+    traced = _trace(model, inputs, True)
+    recipe = next(r for r in recipes(traced, mesh) if r.name == "Megatron TP over x")
+    again = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, constraints=recipe.constraints)
+    assert again.estimate["step_time_s"] == tp.plan.estimate["step_time_s"]
+    assert again.param_placements == tp.plan.param_placements
+    for r in c.rows[1:4]:
+        assert r.plan.estimate["step_time_s"] >= c.plan.estimate["step_time_s"] * (1 - 1e-9)
+    base = c.plan.estimate["baselines"]
+    assert base["DDP"]["step_time_s"] == c.rows[1].plan.estimate["step_time_s"] and "reason" in base["FSDP + TP"]
+    assert "this plan vs (same cost model, step): DDP" in str(c.plan)
+
+
+@pytest.mark.slow
+def test_compare_on_a_2d_mesh_every_recipe_expressible():
+    c = compare(*_model("gpt2"), mesh_spec=MESH, cache_dir=False)
+    assert all(r.plan is not None for r in c.rows), str(c)
+    assert c.best_recipe() is not None
