@@ -41,6 +41,7 @@ from .solver.planner import Planner, written_back_outputs
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
+from .tracer.autocast import ambient_autocast
 from .validate import check_planning_arguments, validate_plan
 
 log = logging.getLogger("autoparallel")
@@ -236,7 +237,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
                              stamp_layers=stamp_layers, outputs=outputs)
     t0 = time.perf_counter()
     mp_policy = precision.check_policy(mp_policy)
-    traced = _trace(model, meta_inputs, stamp_layers, mp_policy)
+    traced = _trace(model, meta_inputs, stamp_layers, mp_policy, device)
     t_trace = time.perf_counter() - t0
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
@@ -391,7 +392,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                    constraints=constraints,
                    mp_policy=plan.mp_policy if plan is not None else precision.check_policy(mp_policy))
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
-        traced = _trace(model, meta_inputs, stamp_layers, options["mp_policy"])
+        traced = _trace(model, meta_inputs, stamp_layers, options["mp_policy"], device_mesh.device_type)
         if plan is None:
             plan = _plan_on_rank0(traced, mesh, options)
         else:
@@ -456,11 +457,13 @@ def _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir) -> tupl
     return mesh, cost_model
 
 
-def _trace(model: nn.Module, meta_inputs, stamp_layers: bool, mp_policy: MixedPrecisionPolicy | None = None):
-    """The captured graph of ``model`` on ``meta_inputs`` under ``mp_policy``
-    (:class:`ColoTracer`), logged."""
+def _trace(model: nn.Module, meta_inputs, stamp_layers: bool, mp_policy: MixedPrecisionPolicy | None = None,
+           device: str = "cpu"):
+    """The captured graph of ``model`` on ``meta_inputs`` under ``mp_policy`` and the
+    ``torch.autocast`` enabled now for ``device`` (:class:`ColoTracer`), logged."""
     t0 = time.perf_counter()
-    traced = ColoTracer(stamp=stamp_layers, mp_policy=mp_policy).trace(model, meta_inputs)
+    traced = ColoTracer(stamp=stamp_layers, mp_policy=mp_policy,
+                        autocast=ambient_autocast(device)).trace(model, meta_inputs)
     log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
              time.perf_counter() - t0)
     return traced
@@ -573,7 +576,8 @@ class _Recapture:
                                                                             device="meta"),
                                         dict(kwargs) if self.keywords else tuple(args))
             self.skeleton.train(pmodel.training)
-            traced = ColoTracer(stamp=self.stamp_layers, mp_policy=self.options["mp_policy"]).trace(self.skeleton, meta)
+            traced = ColoTracer(stamp=self.stamp_layers, mp_policy=self.options["mp_policy"],
+                                autocast=ambient_autocast(self.device_mesh.device_type)).trace(self.skeleton, meta)
             self.captures += 1
             held = list(pmodel.named_parameters(remove_duplicate=False)) + \
                 list(pmodel.named_buffers(remove_duplicate=False))

@@ -217,7 +217,7 @@ def run_mixed_parity(name, mesh_shape, policy, sim_mesh, steps=2):
     return pmodel
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2,), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_mlp_parity_under_bf16_policy(sim_mesh, mesh_shape):
     pmodel = run_mixed_parity("mlp", mesh_shape, BF16_REDUCE, sim_mesh)
     code = pmodel.graph_module.code
@@ -232,3 +232,86 @@ def test_gpt2_parity_under_bf16_policy(sim_mesh, mesh_shape):
     pytest.importorskip("transformers")
     pmodel = run_mixed_parity("gpt2", mesh_shape, BF16, sim_mesh)
     assert "reduce_dtype" not in pmodel.graph_module.code  # fp32 reduction: the gradients' own dtype
+
+
+# ---------------------------------------------------------------- torch.autocast
+class _InnerAutocast(nn.Module):
+    """An autocast block inside the forward, with a block inside it that turns autocast off."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.a(x)
+            with torch.autocast("cpu", enabled=False):
+                z = self.b(y.float())
+        return (y.float() + z).sum()
+
+
+def test_autocast_casts_are_graph_nodes():
+    ambient = ColoTracer(autocast=("cpu", torch.bfloat16)).trace(_mlp(), (torch.empty(8, 64, device="meta"),))
+    linears = [n for n in ambient.gm.graph.nodes if n.target == aten.linear.default]
+    for lin in linears:  # every input of a linear cast to bf16 by a node of its own
+        assert lin.meta["autoparallel"].dtype == torch.bfloat16
+        for x in lin.all_input_nodes:
+            assert x.meta["autoparallel"].dtype == torch.bfloat16, x
+        assert any(x.target == aten._to_copy.default for x in lin.all_input_nodes)
+    params = [n for n in ambient.gm.graph.nodes if n.op == "get_attr"]
+    assert all(n.meta["autoparallel"].dtype == torch.float32 for n in params)  # autocast keeps fp32 weights
+    inner = ColoTracer().trace(_InnerAutocast(), (torch.empty(8, 64, device="meta"),))
+    assert torch.ops.higher_order.wrap_with_autocast not in [n.target for n in inner.gm.graph.nodes]
+    a, b = [n for n in inner.gm.graph.nodes if n.target == aten.linear.default]
+    assert a.meta["autoparallel"].dtype == torch.bfloat16 and b.meta["autoparallel"].dtype == torch.float32
+    assert all(x.target == aten._to_copy.default for x in a.all_input_nodes)
+    assert not any(x.target == aten._to_copy.default for x in b.all_input_nodes)  # autocast off in there
+
+
+def test_autocast_at_planning_is_priced_in_half_precision():
+    meta = (torch.empty(4096, 1024, device="meta"),)
+    kw = dict(mesh_shape=2, parallelism="data", cache_dir=False, cost_model=autoparallel.CostModel("a100"))
+    fp32 = autoparallel.plan(_mlp(1024), meta, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = autoparallel.plan(_mlp(1024), meta, **kw)
+    assert autocast.mp_policy is None
+    for a, b in zip(_linear_compute(fp32), _linear_compute(autocast)):
+        assert a == pytest.approx(2 * b)
+
+
+def run_autocast_parity(name, mesh_shape, sim_mesh):
+    """The module planned under ``torch.autocast`` (bf16, CPU) against the model run under it."""
+    mesh = sim_mesh(mesh_shape)
+    ref = build_model(name)
+    model = copy.deepcopy(ref)
+    ranks = frozenset(range(mesh.size()))
+    with LocalTensorMode(ranks), torch.autocast("cpu", dtype=torch.bfloat16):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
+                                              cost_model=CheapComm("cpu"))
+    assert any(n.op == "_to_copy.default" for n in pmodel.plan.nodes.values()) and pmodel.plan.collectives
+    inputs = batch_for(name, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ref(**inputs)
+    want = out if isinstance(out, torch.Tensor) else out.loss
+    want.backward()
+    with LocalTensorMode(ranks), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pmodel(**inputs)
+        got = out if isinstance(out, torch.Tensor) else out.loss
+        got.backward()
+        for v in _ranks(got.detach()):
+            assert _rel_err(v, want.detach()) < LOSS_TOL
+        ref_params = dict(ref.named_parameters())
+        for pname, p in pmodel.named_parameters():
+            for g in _ranks(p.grad.full_tensor()):
+                assert _rel_err(g, ref_params[pname].grad) < GRAD_TOL, pname
+
+
+def test_mlp_parity_under_autocast(sim_mesh):
+    run_autocast_parity("mlp", (2,), sim_mesh)
+
+
+@pytest.mark.slow
+def test_gpt2_parity_under_autocast(sim_mesh):
+    pytest.importorskip("transformers")
+    run_autocast_parity("gpt2", (2, 2), sim_mesh)

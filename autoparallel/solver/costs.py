@@ -100,7 +100,12 @@ class DevicePreset:
             raise ValueError(str(e)) from None
 
 
-# Vendor datasheet peaks (dense, no sparsity).
+# Vendor datasheet peaks, dense (the datasheets print tensor-core rates "with sparsity", twice
+# these): NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): TF32 156 TFLOPS, BF16/FP16
+# 312 TFLOPS, HBM2e 2,039 GB/s; NVIDIA H100 Tensor Core GPU datasheet (SXM5): TF32 494.7
+# (989 with sparsity), BF16/FP16 989.4 (1,979 with sparsity) TFLOPS, HBM3 3.35 TB/s.
+# compute_time() picks flops_half for ops whose output is bf16 or fp16 (a model in bf16, or
+# one planned under a mixed-precision policy: autoparallel.precision).
 PRESETS = {
     "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30),
     "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30),

@@ -31,6 +31,7 @@ from ..errors import CaptureError
 from ..fqn import set_attr
 from .annotate import annotate_graph
 from .batchnorm import decompose_batch_norm
+from .autocast import Autocast, materialize_autocast
 from .casts import half_inputs, half_skeleton, restore_master
 from .decompose import decompose_composites
 from .mutations import functionalize_state
@@ -39,6 +40,7 @@ from .stamp import find_layer_list, stamp, truncated
 log = logging.getLogger("autoparallel")
 
 _HOP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+_HOP_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 _DROP = {torch.ops.aten._assert_tensor_metadata.default}
 
 
@@ -151,14 +153,24 @@ class ColoTracer:
     four of them and copying the rest (:mod:`autoparallel.tracer.stamp`), which keeps
     capture time nearly flat in depth; ``stamp=False`` traces every layer.
 
+    ``mp_policy`` (a ``torch.distributed.fsdp.MixedPrecisionPolicy``) captures the model as it
+    computes under that policy, with its master parameters cast before use
+    (:mod:`autoparallel.tracer.casts`). ``autocast`` (``(device_type, dtype)``, e.g. from
+    :func:`~autoparallel.tracer.autocast.ambient_autocast`) captures the forward as it runs
+    under that ``torch.autocast``; ``torch.autocast`` blocks inside the forward are captured
+    as they run in any case. Either way the casts autocast performs are graph nodes
+    (:mod:`autoparallel.tracer.autocast`).
+
     Raises:
         CaptureError: export failed; the message carries export's reason and the first
             source line outside torch that the failure went through.
     """
 
-    def __init__(self, stamp: bool = True, mp_policy: MixedPrecisionPolicy | None = None):
+    def __init__(self, stamp: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                 autocast: Autocast | None = None):
         self.stamp = stamp
         self.mp_policy = mp_policy
+        self.autocast = autocast
 
     def trace(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
         policy = self.mp_policy
@@ -232,7 +244,7 @@ class ColoTracer:
                                "autoparallel captures forwards that update only buffers in place. Clone inputs "
                                "before changing them; change parameters outside the forward")
         src = ep.graph_module
-        _inline_grad_regions(src)
+        _inline_regions(src)
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         root = torch.nn.Module()
@@ -281,6 +293,7 @@ class ColoTracer:
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 env[node] = new
+        materialize_autocast(graph, self.autocast)
         decompose_composites(graph)
         buffer_mutations = _state_updates(graph, sig, state, lambda t: seen.get(by_name.get(t), t))
         graph.eliminate_dead_code()
@@ -310,14 +323,23 @@ def _state_updates(graph: fx.Graph, sig, state, target_of) -> dict[int, str]:
     return {len(user) + i: t for i, t in enumerate(updates)}
 
 
-def _inline_grad_regions(gm: fx.GraphModule) -> None:
-    """Inline ``wrap_with_set_grad_enabled`` regions; detach their outputs when grad is off."""
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Inline ``wrap_with_set_grad_enabled`` regions (their outputs detached when grad is off)
+    and ``wrap_with_autocast`` regions (their nodes tagged ``meta["autocast"]``: ``(device
+    type, dtype)``, or ``None`` where the region disables autocast; nodes of a region inside
+    another keep the inner one's; :mod:`.autocast` makes the casts explicit)."""
     graph = gm.graph
     while True:
-        hop = next((n for n in graph.nodes if n.op == "call_function" and n.target is _HOP_GRAD), None)
+        hop = next((n for n in graph.nodes if n.op == "call_function" and n.target in (_HOP_GRAD, _HOP_AUTOCAST)),
+                   None)
         if hop is None:
             break
-        enabled, sub_node, *inputs = hop.args
+        if hop.target is _HOP_AUTOCAST:
+            device_type, dtype, on, _cache, sub_node, *inputs = hop.args
+            enabled, tag = True, {"autocast": (device_type, dtype) if on else None}
+        else:
+            enabled, sub_node, *inputs = hop.args
+            tag = {"autocast": hop.meta["autocast"]} if "autocast" in hop.meta else {}
         sub = getattr(gm, sub_node.target)
         env = {}
         phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -330,9 +352,13 @@ def _inline_grad_regions(gm: fx.GraphModule) -> None:
                 if n.op == "output":
                     outs = list(pytree.tree_leaves(n.args[0]))
                     continue
-                if n.op == "get_attr":
-                    raise CaptureError(f"nested graph attribute {n.target} inside a no_grad region")
+                if n.op == "get_attr":  # a region nested in this one: its graph moves to the top
+                    name = f"{sub_node.target}_{n.target}"
+                    setattr(gm, name, getattr(sub, n.target))
+                    env[n] = graph.get_attr(name)
+                    continue
                 env[n] = graph.node_copy(n, lambda x: env[x])
+                env[n].meta.update(tag)
             results = []
             for o in outs:
                 r = env[o]

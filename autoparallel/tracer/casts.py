@@ -84,14 +84,15 @@ def _cast_before_use(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, cast_va
     first = min(users, key=order.__getitem__)
     with graph.inserting_before(first):
         cast = graph.create_node("call_function", aten._to_copy.default, (node,), {"dtype": dtype},
-                                 name=f"{node.name}_{_short(dtype)}")
+                                 name=f"{node.name}_{dtype_tag(dtype)}")
     cast.meta = {"val": cast_val}
     if first.op != "output" and "nn_module_stack" in first.meta:
         cast.meta["nn_module_stack"] = dict(first.meta["nn_module_stack"])
     node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
 
 
-def _short(dtype: torch.dtype) -> str:
+def dtype_tag(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32``: the suffix of a cast node's name."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "cast")
 
 
@@ -141,7 +142,7 @@ def _cast_outputs(graph: fx.Graph, n_buffers: int, dtype: torch.dtype) -> None:
             continue
         with graph.inserting_before(out):
             cast = graph.create_node("call_function", aten._to_copy.default, (x,), {"dtype": dtype},
-                                     name=f"{x.name}_{_short(dtype)}")
+                                     name=f"{x.name}_{dtype_tag(dtype)}")
         cast.meta = {"val": _like(val, dtype)}
         leaves[i] = cast
     out.args = (tuple(leaves),)
