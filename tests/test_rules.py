@@ -108,6 +108,11 @@ SAMPLES = {
                                  F.cross_entropy(xk, tk, weight=w.detach(), label_smoothing=0.2, reduction="none"),
                                  F.cross_entropy(xk, tk), F.cross_entropy(x[0], t[0])),
         [(8, 10), _int(10, 8), (10,), (4, 10, 4), _int(10, 4, 4)]),
+    # log_softmax + nll_loss, classes split too (more in tests/test_vocab_parallel.py)
+    "nll_loss": (lambda x, t, w: (F.nll_loss(F.log_softmax(x, 1), t.masked_fill(t > 6, -100), weight=w.detach()),
+                                  aten.nll_loss.default(x.log_softmax(-1), t, None, 2, 3),
+                                  F.nll_loss(x.log_softmax(1), t, reduction="none")),
+                 [(8, 8), _int(8, 8), (8,)]),
     # captured as broadcast_tensors + mse_loss, decomposed into expand, sub, mul, mean/sum
     "mse_loss": (lambda x, y, z: (F.mse_loss(x, y), F.mse_loss(x, z, reduction="sum"), F.mse_loss(x, y, reduction="none")),
                  [(8, 6), (8, 6), (1, 6)]),

@@ -30,6 +30,15 @@ VOCAB_SAMPLES = {
     "vp_cross_entropy_spatial": (
         lambda x, t: (F.cross_entropy(x, t, label_smoothing=0.1), F.cross_entropy(x, t, reduction="none")),
         [(4, 8, 4), _int(8, 4, 4)]),
+    # the log_softmax + nll_loss pattern, each op with its classes split
+    "vp_log_softmax_nll_loss": (
+        lambda x, t, w: (F.nll_loss(F.log_softmax(x, 1), t),
+                         F.nll_loss(F.log_softmax(x, -1), t.masked_fill(t > 10, -100), weight=w.detach().abs() + 0.5),
+                         F.nll_loss(x.log_softmax(1), t, weight=w.detach().abs() + 0.5, ignore_index=3,
+                                    reduction="none"),
+                         F.nll_loss(torch.log_softmax(x, 1, dtype=torch.float64), t, reduction="sum"),
+                         F.softmax(x, 1)),
+        [(8, 16), _int(16, 8), (16,)]),
     "vp_embedding": (lambda w, i: (F.embedding(i, w), F.embedding(i, w, padding_idx=5) * 2),
                      [(32, 16), _int(32, 4, 8)]),
 }

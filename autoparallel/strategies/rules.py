@@ -268,9 +268,8 @@ def pad_rule(node, in_shapes, out_shapes):
     return DimMap([labs], [labs], list(in_shapes), list(out_shapes))
 
 
-@record(aten.cumsum.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-      aten._log_softmax.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
-      aten.sort.default, aten.argsort.default)
+@record(aten.cumsum.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
+      aten.sort.default, aten.argsort.default)  # softmax, log_softmax: losses.py (their dim may be split)
 def along_dim_rule(node, in_shapes, out_shapes):
     """Ops that mix values along the dims named by their ``dim`` (or ``dims``) argument:
     those dims stay whole. ``roll`` without ``dims`` rolls the flattened tensor: every dim
