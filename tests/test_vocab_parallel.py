@@ -140,6 +140,45 @@ def _lm_batch(step, vocab, batch=2, seq=16):
     return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g), "labels": labels}
 
 
+def test_the_loss_prices_its_own_all_reduces():
+    """Classes split four ways: two all-reduces (max, sum) of one float32 per row (the
+    backward has none); with the batch split too, each device's rows only, and 'mean' adds
+    the denominator's all-reduce over the batch axis."""
+    import autoparallel
+    from autoparallel.mesh import MeshSpec
+    from autoparallel.placement import P, R
+    from autoparallel.strategies.engine import Strategy
+    from autoparallel.strategies.losses import cross_entropy_cost
+    from test_rules import _captured
+    from torch.distributed.tensor import Shard
+
+    _, traced = _captured(lambda x, t: F.cross_entropy(x, t), ((64, 256), _int(256, 64)))
+    node = next(n for n in traced.gm.graph.nodes if n.target == torch.ops.aten.cross_entropy_loss.default)
+    cm = autoparallel.CostModel("a100").bind(MeshSpec((4,)))
+    vocab = Strategy(((Shard(1),), (R,)), ((P,),), 4)
+    assert cross_entropy_cost(node, vocab, cm) == pytest.approx(2 * cm.collective_time("all_reduce", 0, 4 * 64))
+    cm = autoparallel.CostModel("a100").bind(MeshSpec((2, 2)))
+    both = Strategy(((Shard(0), Shard(1)), (Shard(0), R)), ((P, P),), 4)
+    want = 2 * cm.collective_time("all_reduce", 1, 4 * 32) + cm.collective_time("all_reduce", 0, 8)
+    assert cross_entropy_cost(node, both, cm) == pytest.approx(want)
+
+
+def test_gpt2_plan_splits_the_vocabulary_when_the_batch_cannot_be():
+    """Planning only (no devices): GPT-2 with a 2048-word vocabulary at batch 2 on (4,), cpu
+    preset, splits the embedding's vocabulary and the loss's classes (at batch 8 the same
+    model is data-parallel: see the design notes)."""
+    import autoparallel
+    from torch.distributed.tensor import Shard
+
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in _lm_batch(0, 2048).items()}
+    plan = autoparallel.plan(_gpt2(2048), meta, mesh_shape=(4,), cost_model=autoparallel.CostModel("cpu"),
+                             cache_dir=False)
+    loss = next(n for n in plan.nodes.values() if n.op == "cross_entropy_loss.default")
+    wte = next(n for n in plan.nodes.values() if n.op == "embedding.default" and n.module_path == "transformer.wte")
+    assert loss.input_specs[0] == (Shard(1),), loss.specs_str()
+    assert wte.input_specs[0] == (Shard(0),), wte.specs_str()
+
+
 @pytest.mark.slow  # about 10 s here
 def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(sim_mesh):
     """GPT-2 (vocabulary 2048, 2 layers) at batch 2 on (4,), cpu preset: the batch cannot be
