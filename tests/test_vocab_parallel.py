@@ -44,8 +44,11 @@ VOCAB_SAMPLES = {
 }
 
 
+# on (2, 2) (classes split over both axes, or with the batch): 5-12 s each, the full tier; the
+# fast tier has (2, 2) class splits in tests/test_rules.py (embedding, cross_entropy_ignore)
 @pytest.mark.parametrize("name,mesh_shape",
-                         [(n, (4,)) for n in sorted(VOCAB_SAMPLES)] + [(n, (2, 2)) for n in sorted(VOCAB_SAMPLES)],
+                         [(n, (4,)) for n in sorted(VOCAB_SAMPLES)]
+                         + [pytest.param(n, (2, 2), marks=pytest.mark.slow) for n in sorted(VOCAB_SAMPLES)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_every_vocab_parallel_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
     _check_all_strategies(name, mesh_shape, sim_mesh, set(), samples=VOCAB_SAMPLES)
