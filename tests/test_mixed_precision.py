@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
 import autoparallel
 from autoparallel import precision
@@ -133,6 +134,18 @@ def test_cast_runs_on_the_shard_before_the_all_gather():
                         assert m.nbytes == 2 * torch.Size(c.out_shapes[0]).numel()  # bf16 bytes
                         gathered += 1
     assert gathered, "the plan should keep a weight sharded and gather it"
+
+
+def test_fsdp_recipe_gathers_half_precision_weights():
+    """parallelism="fsdp" under a policy: every weight stored sharded in fp32, cast on its shard,
+    all-gathered in bf16 (as FSDP2 does), not gathered in fp32 and cast after."""
+    p = autoparallel.plan(_mlp(256), (torch.empty(64, 256, device="meta"),), mesh_shape=4, parallelism="fsdp",
+                          mp_policy=BF16, cache_dir=False)
+    gathers = [(r.src, m.nbytes, r.shape) for r in p.redistributions for m in r.moves if m.kind == "all_gather"]
+    assert len(gathers) == 4  # two weights, two biases
+    for src, nbytes, shape in gathers:
+        assert src.endswith("_bf16") and nbytes == 2 * torch.Size(shape).numel(), (src, nbytes, shape)
+    assert all(spec == (Shard(0),) for spec in p.param_placements.values())
 
 
 # ---------------------------------------------------------------- plan records
