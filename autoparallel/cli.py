@@ -10,6 +10,14 @@ Examples::
         --batch 64 --seq 2048
     python -m autoparallel coverage --model bert
     python -m autoparallel plan --factory mymodels:build --mesh 2x4 --json plan.json
+    python -m autoparallel plan --model gpt2 --mesh 2x2 --axes dp,tp --constraint 'lm_head.weight=S0(tp)' \\
+        --compare --report out/
+
+``plan`` prints the plan's summary (``str(plan)``); ``--table`` the per-node table;
+``--compare`` the plan beside data parallelism and the hand-written recipes
+(:func:`autoparallel.compare`); ``--report DIR`` writes ``summary.txt``, ``table.txt``,
+``plan.json`` and ``plan.png`` (:meth:`Plan.plot <autoparallel.plan.Plan.plot>`, needs the
+``plot`` extra) into ``DIR``.
 """
 
 from __future__ import annotations
@@ -77,21 +85,71 @@ def main(argv=None) -> int:
             p.add_argument("--device", default="a100", help="cost-model device preset (a100, h100, cpu)")
             p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
             p.add_argument("-v", "--verbose", action="store_true", help="log progress per stage")
+            p.add_argument("--axes", help="mesh axis names, comma-separated, e.g. dp,tp")
+            p.add_argument("--constraint", action="append", default=[], metavar="PATTERN=PLACEMENTS",
+                           help="pin tensors matching PATTERN, e.g. 'lm_head.weight=S0(tp)' (repeatable)")
+            p.add_argument("--compare", action="store_true", help="also price DDP, FSDP, Megatron TP, FSDP + TP")
+            p.add_argument("--table", action="store_true", help="print the per-node table, not the summary")
+            p.add_argument("--report", metavar="DIR", help="write summary.txt, table.txt, plan.json, plan.png")
     args = ap.parse_args(argv)
     if getattr(args, "verbose", False):
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     model, meta_inputs = _build(args)
     if args.cmd == "coverage":
         result = autoparallel.coverage(model, meta_inputs)
+        print(result)
     else:
-        mesh = tuple(int(x) for x in args.mesh.lower().split("x"))
-        result = autoparallel.plan(model, meta_inputs, mesh_shape=mesh, solver=args.solver,
-                                   cost_model=autoparallel.CostModel(args.device))
-    print(result)
+        result = _plan(args, model, meta_inputs)
     if args.json:
         with open(args.json, "w") as f:
             f.write(result.to_json())
     return 0
+
+
+def _plan(args, model, meta_inputs):
+    import autoparallel
+
+    shape = tuple(int(x) for x in args.mesh.lower().split("x"))
+    mesh = autoparallel.MeshSpec(shape, tuple(args.axes.split(",")) if args.axes else None)
+    constraints = {}
+    for item in args.constraint:
+        pattern, sep, placements = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--constraint {item!r}: expected PATTERN=PLACEMENTS, e.g. 'lm_head.weight=S0(tp)'")
+        constraints[pattern] = placements
+    options = dict(mesh_spec=mesh, solver=args.solver, cost_model=autoparallel.CostModel(args.device))
+    if args.compare:
+        if constraints:
+            raise SystemExit("--compare prices the unconstrained plan: drop --constraint")
+        comparison = autoparallel.compare(model, meta_inputs, **options)
+        result = comparison.plan
+    else:
+        result = autoparallel.plan(model, meta_inputs, constraints=constraints or None, **options)
+    print(result.table() if args.table else result)
+    if args.compare:
+        print(comparison)
+    if args.report:
+        for path in write_report(result, args.report):
+            print(f"wrote {path}")
+    return result
+
+
+def write_report(plan, folder) -> list[str]:
+    """Write ``summary.txt``, ``table.txt``, ``plan.json`` and ``plan.png`` of ``plan`` into
+    ``folder`` (created); returns the paths written.
+
+    Raises:
+        ImportError: matplotlib is missing (the ``plot`` extra), after the text files.
+    """
+    from pathlib import Path
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in (("summary.txt", str(plan)), ("table.txt", plan.table()), ("plan.json", plan.to_json())):
+        (out / name).write_text(text + ("\n" if not text.endswith("\n") else ""))
+        written.append(str(out / name))
+    return written + plan.plot(out / "plan.png")
 
 
 if __name__ == "__main__":

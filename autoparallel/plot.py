@@ -57,7 +57,9 @@ def layer_times(plan: "Plan") -> list[tuple[str, float, float, float]]:
     recomputation s)``. Parts are the repeated layers (``h.3``) and the nodes before and
     after them (a parameter: the layer its name is under). A node's communication is its resharding plus, for a parameter, its
     gradient reduction scaled by the plan's exposed share of gradient communication;
-    recomputation of a checkpoint region is spread over its nodes by compute."""
+    recomputation of a checkpoint region is spread over its nodes by compute. What belongs
+    to no node (one latency per gradient-reduction axis, returning outputs) is a last row,
+    ``"step-wide"``, so that the rows add up to the estimated step."""
     from .summary import layer_of_path
 
     est = plan.estimate
@@ -80,7 +82,11 @@ def layer_times(plan: "Plan") -> list[tuple[str, float, float, float]]:
         row[0] += n.compute_s
         row[1] += comm
         row[2] += recompute.get(n.name, 0.0)
-    return [(k, *v) for k, v in parts.items()]
+    rows = [(k, *v) for k, v in parts.items()]
+    rest = est.get("step_time_s", 0.0) - sum(sum(v) for v in parts.values())
+    if rest > 1e-12 * max(1.0, est.get("step_time_s", 0.0)):
+        rows.append(("step-wide", 0.0, rest, 0.0))
+    return rows
 
 
 def _recompute_per_node(plan: "Plan") -> dict[str, float]:
@@ -126,13 +132,14 @@ def plot(plan: "Plan", path) -> list[str]:
     if tl:
         steps = np.array(tl["step"])
         kinds = [k for k, v in tl["by_kind"].items() if any(v)]
-        ax2.stackplot(steps, *[np.array(tl["by_kind"][k]) / 2**30 for k in kinds], labels=kinds, alpha=0.8)
-        ax2.axvline(tl["steps"] / 2, color="gray", linestyle=":", label="forward | backward")
         budget = plan.estimate.get("memory_budget_bytes")
+        unit, scale = ("GiB", 2**30) if max(max(tl["total"]), budget or 0) >= 2**30 else ("MiB", 2**20)
+        ax2.stackplot(steps, *[np.array(tl["by_kind"][k]) / scale for k in kinds], labels=kinds, alpha=0.8)
+        ax2.axvline(tl["steps"] / 2, color="gray", linestyle=":", label="forward | backward")
         if budget:
-            ax2.axhline(budget / 2**30, color="black", linestyle="--", label="budget")
+            ax2.axhline(budget / scale, color="black", linestyle="--", label="budget")
         ax2.set_xlabel("step of the training step (forward, then backward)")
-        ax2.set_ylabel("GiB per device")
+        ax2.set_ylabel(f"{unit} per device")
         ax2.legend(fontsize=8, loc="upper left")
     else:
         ax2.text(0.5, 0.5, "no memory timeline in this plan", ha="center", va="center")

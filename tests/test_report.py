@@ -1,0 +1,126 @@
+"""plan.plot() and `python -m autoparallel plan --report DIR`: files written, PNGs that open."""
+
+import json
+import struct
+import sys
+
+import pytest
+import torch
+
+import autoparallel
+from autoparallel.cli import main
+
+from models import hf_model
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = open(path, "rb").read(32)
+    assert data[:8] == PNG and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def plan():
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=2)
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    return autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, cache_dir=False,
+                             mesh_spec=autoparallel.MeshSpec((2, 2), ("dp", "tp")), memory_budget="64MiB")
+
+
+def test_plot_writes_a_png(plan, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = plan.plot(tmp_path / "sub" / "p.png")
+    assert out == [str(tmp_path / "sub" / "p.png")]
+    w, h = _png_size(out[0])
+    assert w >= 800 and h >= 600
+    tl = plan.estimate["memory_timeline"]
+    assert max(tl["total"]) == plan.estimate["memory"]["peak_bytes"]  # the sampling keeps the peak
+    assert plan.estimate["memory_budget_bytes"] == 64 * 2**20
+
+
+def test_layer_times_add_up_to_the_step(plan):
+    from autoparallel.plot import layer_times
+
+    rows = layer_times(plan)
+    assert [r[0] for r in rows][:4] == ["before layers", "transformer.h.0", "transformer.h.1", "after layers"]
+    assert sum(r[1] for r in rows) == pytest.approx(plan.estimate["compute_s"])
+    assert sum(r[1] + r[2] + r[3] for r in rows) == pytest.approx(plan.estimate["step_time_s"], rel=1e-6)
+
+
+def test_plot_without_matplotlib_names_the_extra(plan, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"autoparallel\[plot\]"):
+        plan.plot(tmp_path / "p.png")
+
+
+def test_cli_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "report"
+    assert main(["plan", "--model", "gpt2", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
+                 "--batch", "4", "--seq", "16", "--mesh", "2x2", "--axes", "dp,tp",
+                 "--constraint", "lm_head.weight=S0(tp)", "--report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("plan for a mesh of 4 devices: 2 (dp) × 2 (tp)")
+    assert "constraints: lm_head.weight S0(tp)" in printed
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["plan.json", "plan.png", "summary.txt", "table.txt"]
+    plan = autoparallel.Plan.from_json((out / "plan.json").read_text())
+    assert (out / "summary.txt").read_text() == str(plan) + "\n"
+    assert "input specs → output spec" in (out / "table.txt").read_text()
+    assert json.loads((out / "plan.json").read_text())["param_placements"]["lm_head.weight"] == ["R", "S0"]
+    _png_size(out / "plan.png")
+
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def _staged():
+    import time
+
+    from autoparallel import api
+
+    @api._with_progress
+    def work():
+        for name in ("strategies", "memory model", "costs and ILP solve"):
+            api._stage(name)
+            time.sleep(0.6)
+
+    work()
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    from autoparallel import api
+
+    monkeypatch.setattr(api, "PROGRESS_DELAY_S", 0.2)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    _staged()
+    assert "planning:" in term.text and "stages" in term.text and "costs and ILP solve" in term.text
+
+
+def test_progress_log_lines_elsewhere(monkeypatch, caplog):
+    import logging
+
+    from autoparallel import api
+
+    monkeypatch.setattr(api, "PROGRESS_DELAY_S", 0.5)
+    with caplog.at_level(logging.INFO, logger="autoparallel"):
+        _staged()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planning:")]
+    assert lines and lines[-1].startswith("planning: costs and ILP solve (") and "strategies" not in " ".join(lines)
