@@ -59,11 +59,30 @@ def forward(self, mesh_coord, input_ids, labels):
     transformer_wte_weight_1_dtensor = self.transformer.wte.weight
     transformer_wte_weight_1 = autoparallel_runtime_kernels_autograd_param_local(transformer_wte_weight_1_dtensor);  transformer_wte_weight_1_dtensor = None
     view = torch.ops.aten.view.default(input_ids, [8, 16]);  input_ids = None
-    embedding = torch.ops.aten.embedding.default(transformer_wte_weight_1, view);  view = None
+    # transformer.wte: S1(dp) S0(tp), R R -> S2(dp) P(tp)
+    coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2)
+    mul_8 = torch.ops.aten.mul.Tensor(coord_tp, 64)
+    sub_1 = torch.ops.aten.sub.Tensor(view, mul_8);  view = mul_8 = None
+    ge = torch.ops.aten.ge.Scalar(sub_1, 0)
+    lt = torch.ops.aten.lt.Scalar(sub_1, 64)
+    logical_and = torch.ops.aten.logical_and.default(ge, lt);  ge = lt = None
+    where = torch.ops.aten.where.ScalarOther(logical_and, sub_1, 0);  sub_1 = None
+    embedding_2 = torch.ops.aten.embedding.default(transformer_wte_weight_1, where);  where = None
+    unsqueeze_4 = torch.ops.aten.unsqueeze.default(logical_and, -1);  logical_and = None
+    embedding = torch.ops.aten.where.ScalarOther(unsqueeze_4, embedding_2, 0.0);  unsqueeze_4 = embedding_2 = None
     arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
     add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
-    embedding_1 = torch.ops.aten.embedding.default(transformer_wpe_weight, unsqueeze);  transformer_wpe_weight = None
+    # transformer.wpe: S1(dp) S0(tp), R R -> S2(dp) P(tp)
+    mul_9 = torch.ops.aten.mul.Tensor(coord_tp, 16)
+    sub_2 = torch.ops.aten.sub.Tensor(unsqueeze, mul_9);  mul_9 = None
+    ge_1 = torch.ops.aten.ge.Scalar(sub_2, 0)
+    lt_1 = torch.ops.aten.lt.Scalar(sub_2, 16)
+    logical_and_1 = torch.ops.aten.logical_and.default(ge_1, lt_1);  ge_1 = lt_1 = None
+    where_1 = torch.ops.aten.where.ScalarOther(logical_and_1, sub_2, 0);  sub_2 = None
+    embedding_3 = torch.ops.aten.embedding.default(transformer_wpe_weight, where_1);  transformer_wpe_weight = where_1 = None
+    unsqueeze_5 = torch.ops.aten.unsqueeze.default(logical_and_1, -1);  logical_and_1 = None
+    embedding_1 = torch.ops.aten.where.ScalarOther(unsqueeze_5, embedding_3, 0.0);  unsqueeze_5 = embedding_3 = None
     to = torch.ops.aten.to.dtype_layout(embedding_1, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  embedding_1 = None
     add_1 = torch.ops.aten.add.Tensor(embedding, to);  embedding = to = None
     expand = torch.ops.aten.expand.default(unsqueeze, [8, -1])
@@ -88,89 +107,90 @@ def forward(self, mesh_coord, input_ids, labels):
     unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None
     unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None
     new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)
-    index = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])
-    index_1 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = None
-    # transformer: redistribute index R R -> S0(dp) S0(tp)
-    unflatten = torch.ops.aten.unflatten.int(index, 0, [2, 4]);  index = None
-    coord_dp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 0, 1)
+    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])
+    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = None
+    # transformer: redistribute index_1 R R -> S0(dp) S0(tp)
+    unflatten = torch.ops.aten.unflatten.int(index_1, 0, [2, 4]);  index_1 = None
+    coord_dp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 0, 1);  mesh_coord = None
     index_select = torch.ops.aten.index_select.default(unflatten, 0, coord_dp);  unflatten = None
     squeeze = torch.ops.aten.squeeze.dim(index_select, 0);  index_select = None
     unflatten_1 = torch.ops.aten.unflatten.int(squeeze, 0, [2, 2]);  squeeze = None
-    coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2);  mesh_coord = None
     index_select_1 = torch.ops.aten.index_select.default(unflatten_1, 0, coord_tp);  unflatten_1 = None
-    index_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_1, 0);  index_select_1 = None
-    # transformer: redistribute index_1 R R -> S0(dp) S0(tp)
-    unflatten_2 = torch.ops.aten.unflatten.int(index_1, 0, [2, 4]);  index_1 = None
+    index_1_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_1, 0);  index_select_1 = None
+    # transformer: redistribute index R R -> S0(dp) S0(tp)
+    unflatten_2 = torch.ops.aten.unflatten.int(index, 0, [2, 4]);  index = None
     index_select_2 = torch.ops.aten.index_select.default(unflatten_2, 0, coord_dp);  unflatten_2 = None
     squeeze_1 = torch.ops.aten.squeeze.dim(index_select_2, 0);  index_select_2 = None
     unflatten_3 = torch.ops.aten.unflatten.int(squeeze_1, 0, [2, 2]);  squeeze_1 = None
     index_select_3 = torch.ops.aten.index_select.default(unflatten_3, 0, coord_tp);  unflatten_3 = None
-    index_1_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_3, 0);  index_select_3 = None
-    eq = torch.ops.aten.eq.Tensor(index_s0dp_s0tp, index_1_s0dp_s0tp);  index_s0dp_s0tp = index_1_s0dp_s0tp = None
-    to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
+    index_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_3, 0);  index_select_3 = None
+    le = torch.ops.aten.le.Tensor(index_1_s0dp_s0tp, index_s0dp_s0tp);  index_1_s0dp_s0tp = index_s0dp_s0tp = None
+    to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
     and_1 = torch.ops.aten.__and__.Tensor(new_ones, to_1);  new_ones = to_1 = None
-    index_2 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
-    index_3 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = unsqueeze_3 = unsqueeze_12 = None
-    # transformer: redistribute index_3 R R -> S0(dp) S0(tp)
-    unflatten_4 = torch.ops.aten.unflatten.int(index_3, 0, [2, 4]);  index_3 = None
+    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
+    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = unsqueeze_3 = unsqueeze_12 = None
+    # transformer: redistribute index_2 R R -> S0(dp) S0(tp)
+    unflatten_4 = torch.ops.aten.unflatten.int(index_2, 0, [2, 4]);  index_2 = None
     index_select_4 = torch.ops.aten.index_select.default(unflatten_4, 0, coord_dp);  unflatten_4 = None
     squeeze_2 = torch.ops.aten.squeeze.dim(index_select_4, 0);  index_select_4 = None
     unflatten_5 = torch.ops.aten.unflatten.int(squeeze_2, 0, [2, 2]);  squeeze_2 = None
     index_select_5 = torch.ops.aten.index_select.default(unflatten_5, 0, coord_tp);  unflatten_5 = None
-    index_3_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_5, 0);  index_select_5 = None
-    # transformer: redistribute index_2 R R -> S0(dp) S0(tp)
-    unflatten_6 = torch.ops.aten.unflatten.int(index_2, 0, [2, 4]);  index_2 = None
+    index_2_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_5, 0);  index_select_5 = None
+    # transformer: redistribute index_3 R R -> S0(dp) S0(tp)
+    unflatten_6 = torch.ops.aten.unflatten.int(index_3, 0, [2, 4]);  index_3 = None
     index_select_6 = torch.ops.aten.index_select.default(unflatten_6, 0, coord_dp);  unflatten_6 = coord_dp = None
     squeeze_3 = torch.ops.aten.squeeze.dim(index_select_6, 0);  index_select_6 = None
     unflatten_7 = torch.ops.aten.unflatten.int(squeeze_3, 0, [2, 2]);  squeeze_3 = None
     index_select_7 = torch.ops.aten.index_select.default(unflatten_7, 0, coord_tp);  unflatten_7 = None
-    index_2_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_7, 0);  index_select_7 = None
-    le = torch.ops.aten.le.Tensor(index_3_s0dp_s0tp, index_2_s0dp_s0tp);  index_3_s0dp_s0tp = index_2_s0dp_s0tp = None
-    to_2 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
+    index_3_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_7, 0);  index_select_7 = None
+    eq = torch.ops.aten.eq.Tensor(index_2_s0dp_s0tp, index_3_s0dp_s0tp);  index_2_s0dp_s0tp = index_3_s0dp_s0tp = None
+    to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
     # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
     expand_2 = torch.ops.aten.expand.default(and_2, [2, -1, 16, 16]);  and_2 = None
-    dropout = torch.ops.aten.dropout.default(add_1, 0.0, True);  add_1 = None
-    # transformer.h.0.ln_1: redistribute dropout S2(dp) S2(tp) -> R R
-    contiguous_1 = torch.ops.aten.contiguous.default(dropout)
-    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_1, 2, Group.tp);  contiguous_1 = None
+    # transformer.drop: redistribute add_1 S2(dp) P(tp) -> S2(dp) R
+    contiguous_1 = torch.ops.aten.contiguous.default(add_1);  add_1 = None
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(contiguous_1, 'sum', Group.tp);  contiguous_1 = None
+    add_1_s2dp_r = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
+    dropout = torch.ops.aten.dropout.default(add_1_s2dp_r, 0.0, True);  add_1_s2dp_r = None
+    # transformer.h.0.ln_1: redistribute dropout S2(dp) R -> R R
+    contiguous_2 = torch.ops.aten.contiguous.default(dropout)
+    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_2, 2, Group.dp);  contiguous_2 = None
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
-    all_gather_into_tensor_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor, 2, Group.dp);  wait_tensor = None
-    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
-    unflatten_8 = torch.ops.aten.unflatten.int(wait_tensor_1, 0, [4, 8]);  wait_tensor_1 = None
+    unflatten_8 = torch.ops.aten.unflatten.int(wait_tensor, 0, [2, 8]);  wait_tensor = None
     movedim = torch.ops.aten.movedim.int(unflatten_8, 0, 2);  unflatten_8 = None
     dropout_replicated = torch.ops.aten.flatten.using_ints(movedim, 2, 3);  movedim = None
     # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_weight S0(dp) S0(tp) -> R R
-    contiguous_2 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_weight);  transformer_h_0_ln_1_weight = None
-    all_gather_into_tensor_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_2, 2, Group.tp);  contiguous_2 = None
-    wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
-    all_gather_into_tensor_3 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_2, 2, Group.dp);  wait_tensor_2 = None
+    contiguous_3 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_weight);  transformer_h_0_ln_1_weight = None
+    all_gather_into_tensor_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_3, 2, Group.tp);  contiguous_3 = None
+    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
+    all_gather_into_tensor_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_1, 2, Group.dp);  wait_tensor_1 = None
     # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_bias S0(dp) S0(tp) -> R R
-    contiguous_3 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_bias);  transformer_h_0_ln_1_bias = None
-    all_gather_into_tensor_4 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_3, 2, Group.tp);  contiguous_3 = None
-    wait_tensor_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_4);  all_gather_into_tensor_4 = None
-    all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_3, 2, Group.dp);  wait_tensor_3 = None
-    transformer_h_0_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_3);  all_gather_into_tensor_3 = None
-    transformer_h_0_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5);  all_gather_into_tensor_5 = None
+    contiguous_4 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_bias);  transformer_h_0_ln_1_bias = None
+    all_gather_into_tensor_3 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_4, 2, Group.tp);  contiguous_4 = None
+    wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_3);  all_gather_into_tensor_3 = None
+    all_gather_into_tensor_4 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_2, 2, Group.dp);  wait_tensor_2 = None
+    transformer_h_0_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
+    transformer_h_0_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_4);  all_gather_into_tensor_4 = None
     # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_weight S0(dp) S0(tp) -> R R
-    contiguous_8 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_weight);  transformer_h_0_ln_2_weight = None
-    all_gather_into_tensor_11 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_8, 2, Group.tp);  contiguous_8 = None
+    contiguous_9 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_weight);  transformer_h_0_ln_2_weight = None
+    all_gather_into_tensor_10 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_9, 2, Group.tp);  contiguous_9 = None
     layer_norm = torch.ops.aten.layer_norm.default(dropout_replicated, [64], transformer_h_0_ln_1_weight_replicated, transformer_h_0_ln_1_bias_replicated, 1e-05, False);  dropout_replicated = transformer_h_0_ln_1_weight_replicated = transformer_h_0_ln_1_bias_replicated = None
     view_1 = torch.ops.aten.view.default(layer_norm, [128, 64]);  layer_norm = None
     addmm = torch.ops.aten.addmm.default(transformer_h_0_attn_c_attn_bias, view_1, transformer_h_0_attn_c_attn_weight);  transformer_h_0_attn_c_attn_bias = view_1 = transformer_h_0_attn_c_attn_weight = None
     # transformer.h.0.attn.c_attn: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_2 = torch.ops.aten.view.default(addmm, [8, 16, 48]);  addmm = None
     # transformer.h.0.attn: redistribute view_2 S2(dp) S2(tp) -> S0(dp) S0(tp)
-    contiguous_4 = torch.ops.aten.contiguous.default(view_2);  view_2 = None
-    all_gather_into_tensor_6 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_4, 2, Group.tp);  contiguous_4 = None
-    wait_tensor_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_6);  all_gather_into_tensor_6 = None
-    unflatten_9 = torch.ops.aten.unflatten.int(wait_tensor_4, 0, [2, 8]);  wait_tensor_4 = None
+    contiguous_5 = torch.ops.aten.contiguous.default(view_2);  view_2 = None
+    all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_5, 2, Group.tp);  contiguous_5 = None
+    wait_tensor_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5);  all_gather_into_tensor_5 = None
+    unflatten_9 = torch.ops.aten.unflatten.int(wait_tensor_3, 0, [2, 8]);  wait_tensor_3 = None
     movedim_1 = torch.ops.aten.movedim.int(unflatten_9, 0, 2);  unflatten_9 = None
     flatten = torch.ops.aten.flatten.using_ints(movedim_1, 2, 3);  movedim_1 = None
-    contiguous_5 = torch.ops.aten.contiguous.default(flatten);  flatten = None
-    all_to_all_single = torch.ops._c10d_functional.all_to_all_single.default(contiguous_5, [4, 4], [4, 4], Group.dp);  contiguous_5 = None
-    wait_tensor_5 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
-    unflatten_10 = torch.ops.aten.unflatten.int(wait_tensor_5, 0, [2, 4]);  wait_tensor_5 = None
+    contiguous_6 = torch.ops.aten.contiguous.default(flatten);  flatten = None
+    all_to_all_single = torch.ops._c10d_functional.all_to_all_single.default(contiguous_6, [4, 4], [4, 4], Group.dp);  contiguous_6 = None
+    wait_tensor_4 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
+    unflatten_10 = torch.ops.aten.unflatten.int(wait_tensor_4, 0, [2, 4]);  wait_tensor_4 = None
     movedim_2 = torch.ops.aten.movedim.int(unflatten_10, 0, 2);  unflatten_10 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(movedim_2, 2, 3);  movedim_2 = None
     unflatten_11 = torch.ops.aten.unflatten.int(flatten_1, 0, [2, 2]);  flatten_1 = None
@@ -198,37 +218,41 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.0.attn.c_proj: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_6 = torch.ops.aten.view.default(reshape_1, [32, 64]);  reshape_1 = None
     # transformer.h.0.attn.c_proj: redistribute view_6 S0(dp) S0(tp) -> R R
-    contiguous_6 = torch.ops.aten.contiguous.default(view_6);  view_6 = None
-    all_gather_into_tensor_7 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_6, 2, Group.tp);  contiguous_6 = None
-    wait_tensor_6 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_7);  all_gather_into_tensor_7 = None
-    all_gather_into_tensor_8 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_6, 2, Group.dp);  wait_tensor_6 = None
-    view_6_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_8);  all_gather_into_tensor_8 = None
+    contiguous_7 = torch.ops.aten.contiguous.default(view_6);  view_6 = None
+    all_gather_into_tensor_6 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_7, 2, Group.tp);  contiguous_7 = None
+    wait_tensor_5 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_6);  all_gather_into_tensor_6 = None
+    all_gather_into_tensor_7 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_5, 2, Group.dp);  wait_tensor_5 = None
+    view_6_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_7);  all_gather_into_tensor_7 = None
     addmm_1 = torch.ops.aten.addmm.default(transformer_h_0_attn_c_proj_bias, view_6_replicated, transformer_h_0_attn_c_proj_weight);  transformer_h_0_attn_c_proj_bias = view_6_replicated = transformer_h_0_attn_c_proj_weight = None
     # transformer.h.0.attn.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_7 = torch.ops.aten.view.default(addmm_1, [8, 16, 16]);  addmm_1 = None
     dropout_1 = torch.ops.aten.dropout.default(view_7, 0.0, True);  view_7 = None
-    add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout);  dropout_1 = dropout = None
+    # transformer.h.0: redistribute dropout S2(dp) R -> S2(dp) S2(tp)
+    unflatten_12 = torch.ops.aten.unflatten.int(dropout, 2, [2, 16]);  dropout = None
+    index_select_9 = torch.ops.aten.index_select.default(unflatten_12, 2, coord_tp);  unflatten_12 = None
+    dropout_s2dp_s2tp = torch.ops.aten.squeeze.dim(index_select_9, 2);  index_select_9 = None
+    add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout_s2dp_s2tp);  dropout_1 = dropout_s2dp_s2tp = None
     # transformer.h.0.ln_2: redistribute add_4 S2(dp) S2(tp) -> R R
-    contiguous_7 = torch.ops.aten.contiguous.default(add_4)
-    all_gather_into_tensor_9 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_7, 2, Group.tp);  contiguous_7 = None
+    contiguous_8 = torch.ops.aten.contiguous.default(add_4)
+    all_gather_into_tensor_8 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_8, 2, Group.tp);  contiguous_8 = None
+    wait_tensor_6 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_8);  all_gather_into_tensor_8 = None
+    all_gather_into_tensor_9 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_6, 2, Group.dp);  wait_tensor_6 = None
     wait_tensor_7 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_9);  all_gather_into_tensor_9 = None
-    all_gather_into_tensor_10 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_7, 2, Group.dp);  wait_tensor_7 = None
-    wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_10);  all_gather_into_tensor_10 = None
-    unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_8, 0, [4, 8]);  wait_tensor_8 = None
-    movedim_3 = torch.ops.aten.movedim.int(unflatten_12, 0, 2);  unflatten_12 = None
+    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_7, 0, [4, 8]);  wait_tensor_7 = None
+    movedim_3 = torch.ops.aten.movedim.int(unflatten_13, 0, 2);  unflatten_13 = None
     add_4_replicated = torch.ops.aten.flatten.using_ints(movedim_3, 2, 3);  movedim_3 = None
-    wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_11);  all_gather_into_tensor_11 = None
-    all_gather_into_tensor_12 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_9, 2, Group.dp);  wait_tensor_9 = None
+    wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_10);  all_gather_into_tensor_10 = None
+    all_gather_into_tensor_11 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_8, 2, Group.dp);  wait_tensor_8 = None
     # transformer.h.0.ln_2: redistribute transformer_h_0_ln_2_bias S0(dp) S0(tp) -> R R
-    contiguous_9 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_bias);  transformer_h_0_ln_2_bias = None
-    all_gather_into_tensor_13 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_9, 2, Group.tp);  contiguous_9 = None
-    wait_tensor_10 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_13);  all_gather_into_tensor_13 = None
-    all_gather_into_tensor_14 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_10, 2, Group.dp);  wait_tensor_10 = None
-    transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_12);  all_gather_into_tensor_12 = None
-    transformer_h_0_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_14);  all_gather_into_tensor_14 = None
+    contiguous_10 = torch.ops.aten.contiguous.default(transformer_h_0_ln_2_bias);  transformer_h_0_ln_2_bias = None
+    all_gather_into_tensor_12 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_10, 2, Group.tp);  contiguous_10 = None
+    wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_12);  all_gather_into_tensor_12 = None
+    all_gather_into_tensor_13 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_9, 2, Group.dp);  wait_tensor_9 = None
+    transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_11);  all_gather_into_tensor_11 = None
+    transformer_h_0_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_13);  all_gather_into_tensor_13 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_weight S0(dp) S0(tp) -> R R
-    contiguous_12 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
-    all_gather_into_tensor_19 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_12, 2, Group.tp);  contiguous_12 = None
+    contiguous_13 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
+    all_gather_into_tensor_18 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_13, 2, Group.tp);  contiguous_13 = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(add_4_replicated, [64], transformer_h_0_ln_2_weight_replicated, transformer_h_0_ln_2_bias_replicated, 1e-05, False);  add_4_replicated = transformer_h_0_ln_2_weight_replicated = transformer_h_0_ln_2_bias_replicated = None
     view_8 = torch.ops.aten.view.default(layer_norm_1, [128, 64]);  layer_norm_1 = None
     addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, view_8, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = view_8 = transformer_h_0_mlp_c_fc_weight = None
@@ -245,13 +269,13 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.0.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
     view_10 = torch.ops.aten.view.default(mul_3, [128, 64]);  mul_3 = None
     # transformer.h.0.mlp.c_proj: redistribute view_10 S1(dp) S1(tp) -> R R
-    contiguous_10 = torch.ops.aten.contiguous.default(view_10);  view_10 = None
-    all_gather_into_tensor_15 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_10, 2, Group.tp);  contiguous_10 = None
+    contiguous_11 = torch.ops.aten.contiguous.default(view_10);  view_10 = None
+    all_gather_into_tensor_14 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_11, 2, Group.tp);  contiguous_11 = None
+    wait_tensor_10 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_14);  all_gather_into_tensor_14 = None
+    all_gather_into_tensor_15 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_10, 2, Group.dp);  wait_tensor_10 = None
     wait_tensor_11 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_15);  all_gather_into_tensor_15 = None
-    all_gather_into_tensor_16 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_11, 2, Group.dp);  wait_tensor_11 = None
-    wait_tensor_12 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_16);  all_gather_into_tensor_16 = None
-    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_12, 0, [4, 128]);  wait_tensor_12 = None
-    movedim_4 = torch.ops.aten.movedim.int(unflatten_13, 0, 1);  unflatten_13 = None
+    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_11, 0, [4, 128]);  wait_tensor_11 = None
+    movedim_4 = torch.ops.aten.movedim.int(unflatten_14, 0, 1);  unflatten_14 = None
     view_10_replicated = torch.ops.aten.flatten.using_ints(movedim_4, 1, 2);  movedim_4 = None
     addmm_3 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_proj_bias, view_10_replicated, transformer_h_0_mlp_c_proj_weight);  transformer_h_0_mlp_c_proj_bias = view_10_replicated = transformer_h_0_mlp_c_proj_weight = None
     # transformer.h.0.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
@@ -259,47 +283,47 @@ def forward(self, mesh_coord, input_ids, labels):
     dropout_2 = torch.ops.aten.dropout.default(view_11, 0.0, True);  view_11 = None
     add_7 = torch.ops.aten.add.Tensor(add_4, dropout_2);  add_4 = dropout_2 = None
     # transformer.h.1.ln_1: redistribute add_7 S2(dp) S2(tp) -> R R
-    contiguous_11 = torch.ops.aten.contiguous.default(add_7)
-    all_gather_into_tensor_17 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_11, 2, Group.tp);  contiguous_11 = None
+    contiguous_12 = torch.ops.aten.contiguous.default(add_7)
+    all_gather_into_tensor_16 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_12, 2, Group.tp);  contiguous_12 = None
+    wait_tensor_12 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_16);  all_gather_into_tensor_16 = None
+    all_gather_into_tensor_17 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_12, 2, Group.dp);  wait_tensor_12 = None
     wait_tensor_13 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_17);  all_gather_into_tensor_17 = None
-    all_gather_into_tensor_18 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_13, 2, Group.dp);  wait_tensor_13 = None
-    wait_tensor_14 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_18);  all_gather_into_tensor_18 = None
-    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [4, 8]);  wait_tensor_14 = None
-    movedim_5 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
+    unflatten_15 = torch.ops.aten.unflatten.int(wait_tensor_13, 0, [4, 8]);  wait_tensor_13 = None
+    movedim_5 = torch.ops.aten.movedim.int(unflatten_15, 0, 2);  unflatten_15 = None
     add_7_replicated = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
-    wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_19);  all_gather_into_tensor_19 = None
-    all_gather_into_tensor_20 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_15, 2, Group.dp);  wait_tensor_15 = None
+    wait_tensor_14 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_18);  all_gather_into_tensor_18 = None
+    all_gather_into_tensor_19 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_14, 2, Group.dp);  wait_tensor_14 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_bias S0(dp) S0(tp) -> R R
-    contiguous_13 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
-    all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_13, 2, Group.tp);  contiguous_13 = None
-    wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
-    all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_16, 2, Group.dp);  wait_tensor_16 = None
-    transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
-    transformer_h_1_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
+    contiguous_14 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
+    all_gather_into_tensor_20 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.tp);  contiguous_14 = None
+    wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
+    all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_15, 2, Group.dp);  wait_tensor_15 = None
+    transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_19);  all_gather_into_tensor_19 = None
+    transformer_h_1_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
     # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_weight S0(dp) S0(tp) -> R R
-    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_weight);  transformer_h_1_ln_2_weight = None
-    all_gather_into_tensor_28 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
+    contiguous_19 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_weight);  transformer_h_1_ln_2_weight = None
+    all_gather_into_tensor_27 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7_replicated, [64], transformer_h_1_ln_1_weight_replicated, transformer_h_1_ln_1_bias_replicated, 1e-05, False);  add_7_replicated = transformer_h_1_ln_1_weight_replicated = transformer_h_1_ln_1_bias_replicated = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [128, 64]);  layer_norm_2 = None
     addmm_4 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_attn_bias, view_12, transformer_h_1_attn_c_attn_weight);  transformer_h_1_attn_c_attn_bias = view_12 = transformer_h_1_attn_c_attn_weight = None
     # transformer.h.1.attn.c_attn: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_13 = torch.ops.aten.view.default(addmm_4, [8, 16, 48]);  addmm_4 = None
     # transformer.h.1.attn: redistribute view_13 S2(dp) S2(tp) -> S0(dp) S0(tp)
-    contiguous_14 = torch.ops.aten.contiguous.default(view_13);  view_13 = None
-    all_gather_into_tensor_23 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.tp);  contiguous_14 = None
-    wait_tensor_17 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_23);  all_gather_into_tensor_23 = None
-    unflatten_15 = torch.ops.aten.unflatten.int(wait_tensor_17, 0, [2, 8]);  wait_tensor_17 = None
-    movedim_6 = torch.ops.aten.movedim.int(unflatten_15, 0, 2);  unflatten_15 = None
+    contiguous_15 = torch.ops.aten.contiguous.default(view_13);  view_13 = None
+    all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_15, 2, Group.tp);  contiguous_15 = None
+    wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
+    unflatten_16 = torch.ops.aten.unflatten.int(wait_tensor_16, 0, [2, 8]);  wait_tensor_16 = None
+    movedim_6 = torch.ops.aten.movedim.int(unflatten_16, 0, 2);  unflatten_16 = None
     flatten_2 = torch.ops.aten.flatten.using_ints(movedim_6, 2, 3);  movedim_6 = None
-    contiguous_15 = torch.ops.aten.contiguous.default(flatten_2);  flatten_2 = None
-    all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_15, [4, 4], [4, 4], Group.dp);  contiguous_15 = None
-    wait_tensor_18 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
-    unflatten_16 = torch.ops.aten.unflatten.int(wait_tensor_18, 0, [2, 4]);  wait_tensor_18 = None
-    movedim_7 = torch.ops.aten.movedim.int(unflatten_16, 0, 2);  unflatten_16 = None
+    contiguous_16 = torch.ops.aten.contiguous.default(flatten_2);  flatten_2 = None
+    all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_16, [4, 4], [4, 4], Group.dp);  contiguous_16 = None
+    wait_tensor_17 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
+    unflatten_17 = torch.ops.aten.unflatten.int(wait_tensor_17, 0, [2, 4]);  wait_tensor_17 = None
+    movedim_7 = torch.ops.aten.movedim.int(unflatten_17, 0, 2);  unflatten_17 = None
     flatten_3 = torch.ops.aten.flatten.using_ints(movedim_7, 2, 3);  movedim_7 = None
-    unflatten_17 = torch.ops.aten.unflatten.int(flatten_3, 0, [2, 2]);  flatten_3 = None
-    index_select_9 = torch.ops.aten.index_select.default(unflatten_17, 0, coord_tp);  unflatten_17 = None
-    view_13_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_9, 0);  index_select_9 = None
+    unflatten_18 = torch.ops.aten.unflatten.int(flatten_3, 0, [2, 2]);  flatten_3 = None
+    index_select_10 = torch.ops.aten.index_select.default(unflatten_18, 0, coord_tp);  unflatten_18 = coord_tp = None
+    view_13_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
     split_1 = torch.ops.aten.split.Tensor(view_13_s0dp_s0tp, 64, 2);  view_13_s0dp_s0tp = None
     getitem_3 = split_1[0]
     getitem_4 = split_1[1]
@@ -322,37 +346,37 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.1.attn.c_proj: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_17 = torch.ops.aten.view.default(reshape_3, [32, 64]);  reshape_3 = None
     # transformer.h.1.attn.c_proj: redistribute view_17 S0(dp) S0(tp) -> R R
-    contiguous_16 = torch.ops.aten.contiguous.default(view_17);  view_17 = None
-    all_gather_into_tensor_24 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_16, 2, Group.tp);  contiguous_16 = None
-    wait_tensor_19 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_24);  all_gather_into_tensor_24 = None
-    all_gather_into_tensor_25 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_19, 2, Group.dp);  wait_tensor_19 = None
-    view_17_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_25);  all_gather_into_tensor_25 = None
+    contiguous_17 = torch.ops.aten.contiguous.default(view_17);  view_17 = None
+    all_gather_into_tensor_23 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_17, 2, Group.tp);  contiguous_17 = None
+    wait_tensor_18 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_23);  all_gather_into_tensor_23 = None
+    all_gather_into_tensor_24 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_18, 2, Group.dp);  wait_tensor_18 = None
+    view_17_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_24);  all_gather_into_tensor_24 = None
     addmm_5 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_proj_bias, view_17_replicated, transformer_h_1_attn_c_proj_weight);  transformer_h_1_attn_c_proj_bias = view_17_replicated = transformer_h_1_attn_c_proj_weight = None
     # transformer.h.1.attn.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_18 = torch.ops.aten.view.default(addmm_5, [8, 16, 16]);  addmm_5 = None
     dropout_3 = torch.ops.aten.dropout.default(view_18, 0.0, True);  view_18 = None
     add_8 = torch.ops.aten.add.Tensor(dropout_3, add_7);  dropout_3 = add_7 = None
     # transformer.h.1.ln_2: redistribute add_8 S2(dp) S2(tp) -> R R
-    contiguous_17 = torch.ops.aten.contiguous.default(add_8)
-    all_gather_into_tensor_26 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_17, 2, Group.tp);  contiguous_17 = None
+    contiguous_18 = torch.ops.aten.contiguous.default(add_8)
+    all_gather_into_tensor_25 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
+    wait_tensor_19 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_25);  all_gather_into_tensor_25 = None
+    all_gather_into_tensor_26 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_19, 2, Group.dp);  wait_tensor_19 = None
     wait_tensor_20 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_26);  all_gather_into_tensor_26 = None
-    all_gather_into_tensor_27 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_20, 2, Group.dp);  wait_tensor_20 = None
-    wait_tensor_21 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_27);  all_gather_into_tensor_27 = None
-    unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_21, 0, [4, 8]);  wait_tensor_21 = None
-    movedim_8 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
+    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_20, 0, [4, 8]);  wait_tensor_20 = None
+    movedim_8 = torch.ops.aten.movedim.int(unflatten_19, 0, 2);  unflatten_19 = None
     add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
-    wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_28);  all_gather_into_tensor_28 = None
-    all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
+    wait_tensor_21 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_27);  all_gather_into_tensor_27 = None
+    all_gather_into_tensor_28 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_21, 2, Group.dp);  wait_tensor_21 = None
     # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_bias S0(dp) S0(tp) -> R R
-    contiguous_19 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_bias);  transformer_h_1_ln_2_bias = None
-    all_gather_into_tensor_30 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
-    wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_30);  all_gather_into_tensor_30 = None
-    all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_23, 2, Group.dp);  wait_tensor_23 = None
-    transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
-    transformer_h_1_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_31);  all_gather_into_tensor_31 = None
+    contiguous_20 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_bias);  transformer_h_1_ln_2_bias = None
+    all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_20, 2, Group.tp);  contiguous_20 = None
+    wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
+    all_gather_into_tensor_30 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
+    transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_28);  all_gather_into_tensor_28 = None
+    transformer_h_1_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_30);  all_gather_into_tensor_30 = None
     # transformer.ln_f: redistribute transformer_ln_f_weight S0(dp) S0(tp) -> R R
-    contiguous_23 = torch.ops.aten.contiguous.default(transformer_ln_f_weight);  transformer_ln_f_weight = None
-    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.tp);  contiguous_23 = None
+    contiguous_24 = torch.ops.aten.contiguous.default(transformer_ln_f_weight);  transformer_ln_f_weight = None
+    all_gather_into_tensor_34 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_24, 2, Group.tp);  contiguous_24 = None
     layer_norm_3 = torch.ops.aten.layer_norm.default(add_8_replicated, [64], transformer_h_1_ln_2_weight_replicated, transformer_h_1_ln_2_bias_replicated, 1e-05, False);  add_8_replicated = transformer_h_1_ln_2_weight_replicated = transformer_h_1_ln_2_bias_replicated = None
     view_19 = torch.ops.aten.view.default(layer_norm_3, [128, 64]);  layer_norm_3 = None
     addmm_6 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_fc_bias, view_19, transformer_h_1_mlp_c_fc_weight);  transformer_h_1_mlp_c_fc_bias = view_19 = transformer_h_1_mlp_c_fc_weight = None
@@ -369,72 +393,70 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.1.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
     view_21 = torch.ops.aten.view.default(mul_7, [128, 64]);  mul_7 = None
     # transformer.h.1.mlp.c_proj: redistribute view_21 S1(dp) S1(tp) -> R R
-    contiguous_20 = torch.ops.aten.contiguous.default(view_21);  view_21 = None
-    all_gather_into_tensor_32 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_20, 2, Group.tp);  contiguous_20 = None
+    contiguous_21 = torch.ops.aten.contiguous.default(view_21);  view_21 = None
+    all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_21, 2, Group.tp);  contiguous_21 = None
+    wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_31);  all_gather_into_tensor_31 = None
+    all_gather_into_tensor_32 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_23, 2, Group.dp);  wait_tensor_23 = None
     wait_tensor_24 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_32);  all_gather_into_tensor_32 = None
-    all_gather_into_tensor_33 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_24, 2, Group.dp);  wait_tensor_24 = None
-    wait_tensor_25 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_33);  all_gather_into_tensor_33 = None
-    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_25, 0, [4, 128]);  wait_tensor_25 = None
-    movedim_9 = torch.ops.aten.movedim.int(unflatten_19, 0, 1);  unflatten_19 = None
+    unflatten_20 = torch.ops.aten.unflatten.int(wait_tensor_24, 0, [4, 128]);  wait_tensor_24 = None
+    movedim_9 = torch.ops.aten.movedim.int(unflatten_20, 0, 1);  unflatten_20 = None
     view_21_replicated = torch.ops.aten.flatten.using_ints(movedim_9, 1, 2);  movedim_9 = None
     addmm_7 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_proj_bias, view_21_replicated, transformer_h_1_mlp_c_proj_weight);  transformer_h_1_mlp_c_proj_bias = view_21_replicated = transformer_h_1_mlp_c_proj_weight = None
     # transformer.h.1.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_22 = torch.ops.aten.view.default(addmm_7, [8, 16, 16]);  addmm_7 = None
     dropout_4 = torch.ops.aten.dropout.default(view_22, 0.0, True);  view_22 = None
     add_11 = torch.ops.aten.add.Tensor(add_8, dropout_4);  add_8 = dropout_4 = None
-    # transformer.ln_f: redistribute add_11 S2(dp) S2(tp) -> S0(dp) S0(tp)
-    contiguous_21 = torch.ops.aten.contiguous.default(add_11);  add_11 = None
-    all_gather_into_tensor_34 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_21, 2, Group.tp);  contiguous_21 = None
-    wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_34);  all_gather_into_tensor_34 = None
-    unflatten_20 = torch.ops.aten.unflatten.int(wait_tensor_26, 0, [2, 8]);  wait_tensor_26 = None
-    movedim_10 = torch.ops.aten.movedim.int(unflatten_20, 0, 2);  unflatten_20 = None
+    # transformer.ln_f: redistribute add_11 S2(dp) S2(tp) -> S0(dp) R
+    contiguous_22 = torch.ops.aten.contiguous.default(add_11);  add_11 = None
+    all_gather_into_tensor_33 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_22, 2, Group.tp);  contiguous_22 = None
+    wait_tensor_25 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_33);  all_gather_into_tensor_33 = None
+    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_25, 0, [2, 8]);  wait_tensor_25 = None
+    movedim_10 = torch.ops.aten.movedim.int(unflatten_21, 0, 2);  unflatten_21 = None
     flatten_4 = torch.ops.aten.flatten.using_ints(movedim_10, 2, 3);  movedim_10 = None
-    contiguous_22 = torch.ops.aten.contiguous.default(flatten_4);  flatten_4 = None
-    all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_22, [4, 4], [4, 4], Group.dp);  contiguous_22 = None
-    wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
-    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_27, 0, [2, 4]);  wait_tensor_27 = None
-    movedim_11 = torch.ops.aten.movedim.int(unflatten_21, 0, 2);  unflatten_21 = None
-    flatten_5 = torch.ops.aten.flatten.using_ints(movedim_11, 2, 3);  movedim_11 = None
-    unflatten_22 = torch.ops.aten.unflatten.int(flatten_5, 0, [2, 2]);  flatten_5 = None
-    index_select_10 = torch.ops.aten.index_select.default(unflatten_22, 0, coord_tp);  unflatten_22 = coord_tp = None
-    add_11_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
-    wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
-    all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_28, 2, Group.dp);  wait_tensor_28 = None
+    contiguous_23 = torch.ops.aten.contiguous.default(flatten_4);  flatten_4 = None
+    all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_23, [4, 4], [4, 4], Group.dp);  contiguous_23 = None
+    wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
+    unflatten_22 = torch.ops.aten.unflatten.int(wait_tensor_26, 0, [2, 4]);  wait_tensor_26 = None
+    movedim_11 = torch.ops.aten.movedim.int(unflatten_22, 0, 2);  unflatten_22 = None
+    add_11_s0dp_r = torch.ops.aten.flatten.using_ints(movedim_11, 2, 3);  movedim_11 = None
+    wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_34);  all_gather_into_tensor_34 = None
+    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_27, 2, Group.dp);  wait_tensor_27 = None
     # transformer.ln_f: redistribute transformer_ln_f_bias S0(dp) S0(tp) -> R R
-    contiguous_24 = torch.ops.aten.contiguous.default(transformer_ln_f_bias);  transformer_ln_f_bias = None
-    all_gather_into_tensor_37 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_24, 2, Group.tp);  contiguous_24 = None
-    wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
-    all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_29, 2, Group.dp);  wait_tensor_29 = None
-    transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
-    transformer_ln_f_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
-    # lm_head: redistribute transformer_wte_weight_1 S1(dp) S1(tp) -> R R
-    contiguous_25 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
-    all_gather_into_tensor_39 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_25, 2, Group.tp);  contiguous_25 = None
-    layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s0dp_s0tp, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s0dp_s0tp = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
-    # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
-    view_23 = torch.ops.aten.view.default(layer_norm_4, [2, 16, 64]);  layer_norm_4 = None
+    contiguous_25 = torch.ops.aten.contiguous.default(transformer_ln_f_bias);  transformer_ln_f_bias = None
+    all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_25, 2, Group.tp);  contiguous_25 = None
+    wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
+    all_gather_into_tensor_37 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_28, 2, Group.dp);  wait_tensor_28 = None
+    transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
+    transformer_ln_f_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
+    # lm_head: redistribute transformer_wte_weight_1 S1(dp) S0(tp) -> R S0(tp)
+    contiguous_26 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
+    all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_26, 2, Group.dp);  contiguous_26 = None
+    layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s0dp_r, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s0dp_r = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
+    # transformer: S0(dp) R -> S0(dp) R
+    view_23 = torch.ops.aten.view.default(layer_norm_4, [4, 16, 64]);  layer_norm_4 = None
     alias = torch.ops.aten.alias.default(view_23);  view_23 = None
-    wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
-    all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.dp);  wait_tensor_30 = None
-    wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_40);  all_gather_into_tensor_40 = None
-    unflatten_23 = torch.ops.aten.unflatten.int(wait_tensor_31, 0, [4, 128]);  wait_tensor_31 = None
+    wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
+    unflatten_23 = torch.ops.aten.unflatten.int(wait_tensor_29, 0, [2, 64]);  wait_tensor_29 = None
     movedim_12 = torch.ops.aten.movedim.int(unflatten_23, 0, 1);  unflatten_23 = None
-    transformer_wte_weight_1_replicated = torch.ops.aten.flatten.using_ints(movedim_12, 1, 2);  movedim_12 = None
-    linear = torch.ops.aten.linear.default(alias, transformer_wte_weight_1_replicated);  alias = transformer_wte_weight_1_replicated = None
+    transformer_wte_weight_1_r_s0tp = torch.ops.aten.flatten.using_ints(movedim_12, 1, 2);  movedim_12 = None
+    linear = torch.ops.aten.linear.default(alias, transformer_wte_weight_1_r_s0tp);  alias = transformer_wte_weight_1_r_s0tp = None
     to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
-    # S0(dp) S0(tp) -> S0(dp) S0(tp)
-    view_24 = torch.ops.aten.view.default(to_3, [32, 128])
+    # S0(dp) S2(tp) -> S0(dp) S1(tp)
+    view_24 = torch.ops.aten.view.default(to_3, [64, 64])
     view_25 = torch.ops.aten.view.default(contiguous, [128]);  contiguous = None
     to_4 = torch.ops.aten.to.dtype_layout(view_25, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_25 = None
-    # redistribute view_24 S0(dp) S0(tp) -> R R
-    contiguous_26 = torch.ops.aten.contiguous.default(view_24);  view_24 = None
-    all_gather_into_tensor_41 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_26, 2, Group.tp);  contiguous_26 = None
-    wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_41);  all_gather_into_tensor_41 = None
-    all_gather_into_tensor_42 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_32, 2, Group.dp);  wait_tensor_32 = None
-    view_24_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_42);  all_gather_into_tensor_42 = None
+    # redistribute view_24 S0(dp) S1(tp) -> R R
+    contiguous_27 = torch.ops.aten.contiguous.default(view_24);  view_24 = None
+    all_gather_into_tensor_39 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_27, 2, Group.dp);  contiguous_27 = None
+    wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
+    all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.tp);  wait_tensor_30 = None
+    wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_40);  all_gather_into_tensor_40 = None
+    unflatten_24 = torch.ops.aten.unflatten.int(wait_tensor_31, 0, [2, 128]);  wait_tensor_31 = None
+    movedim_13 = torch.ops.aten.movedim.int(unflatten_24, 0, 1);  unflatten_24 = None
+    view_24_replicated = torch.ops.aten.flatten.using_ints(movedim_13, 1, 2);  movedim_13 = None
     cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24_replicated, to_4);  view_24_replicated = to_4 = None
     returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
     returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3, 1);  to_3 = None
