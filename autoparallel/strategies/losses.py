@@ -1,6 +1,9 @@
-"""Records of loss ops whose reduced form runs on a split batch as a local sum, and of
-cross-entropy with its classes split (vocab-parallel): their rules, their per-device
-rewrites and cross-entropy's own all-reduces (see :mod:`~autoparallel.strategies.records`)."""
+"""Records of loss ops whose reduced form runs on a split batch as a local sum, and of the
+vocab-parallel forms (Shoeybi et al. 2019, Megatron-LM §3) of ``cross_entropy_loss``,
+``nll_loss`` (classes split) and ``softmax``/``log_softmax`` (normalized dim split): their
+rules, their per-device rewrites and the all-reduces they perform themselves (see
+:mod:`~autoparallel.strategies.records`; design notes: docs/design.md, "Vocab-parallel
+embedding and cross-entropy")."""
 
 from __future__ import annotations
 
