@@ -9,6 +9,14 @@ Printed in the notation of Alpa and Colossal-AI: one token per tensor dim, ``R``
 dim that is not split, ``S<axes>`` for a dim split over those mesh axes, then
 ``P<axes>`` for pending sums: a [4, 8, 16] tensor with spec (Shard(0), Shard(2)) prints
 ``S0 R S1``; (Shard(1), Shard(1)) prints ``R S01 R``; (Partial(), Replicate()) ``R R R P0``.
+
+**Uneven splits.** A dim of size ``s`` that a mesh axis of ``n`` devices does not divide may
+be split by that one axis alone, as ``torch.chunk`` (and DTensor's ``Shard``) cut it: device
+``i`` holds rows ``[i·c, min((i+1)·c, s))`` with ``c = ceil(s / n)``, so the first devices hold
+``c`` rows and the last ones fewer. Only splits that leave every device at least one row are
+valid (``(n-1)·c < s``: 50257 over 4 is 12565, 12565, 12565, 12562; 5 over 4 is refused, its
+last device would hold nothing). A dim split over several mesh axes must be divided evenly.
+:func:`local_shape` gives the largest shard (``c``): what costs and memory are priced by.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import math
 import re
 from typing import Sequence
 
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -48,13 +57,38 @@ def num_shards(spec: Spec, dim: int, mesh_shape: Sequence[int]) -> int:
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Per-device shape of a tensor of global ``shape`` under ``spec`` (dims divide evenly)."""
+    """Per-device shape of a tensor of global ``shape`` under ``spec``: the largest shard,
+    ``ceil(s / n)`` along a dim of size ``s`` split in ``n`` pieces (exact for even splits)."""
     return _local_shape(tuple(shape), tuple(spec), tuple(mesh_shape))
 
 
 @functools.lru_cache(maxsize=65536)
 def _local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(s // num_shards(spec, d, mesh_shape) for d, s in enumerate(shape))
+    return tuple(-(-s // num_shards(spec, d, mesh_shape)) for d, s in enumerate(shape))
+
+
+def chunk_ok(size: int, pieces: int) -> bool:
+    """Whether ``torch.chunk`` cuts a dim of ``size`` into ``pieces`` nonempty pieces (always
+    for an even split)."""
+    return size % pieces == 0 or (pieces - 1) * -(-size // pieces) < size
+
+
+def uneven_dims(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Tensor dims that ``spec`` splits unevenly (see "Uneven splits" above)."""
+    return tuple(d for d, s in enumerate(shape) if s % num_shards(spec, d, mesh_shape))
+
+
+def chunk_length(coord, axis: int, size: int, pieces: int):
+    """Rows of a dim of ``size`` split unevenly in ``pieces`` along mesh ``axis`` that this
+    device holds: ``min(c, size - i·c)`` with ``c = ceil(size / pieces)`` and ``i`` the
+    device's coordinate on ``axis`` (read from ``coord``, the int64 ``mesh_coord`` tensor).
+
+    Called by the emitted code. On one process the result is an ``int``; under
+    ``LocalTensorMode`` ``coord`` holds one value per simulated rank and the result is a
+    ``SymInt`` with one value per rank, which ``narrow`` takes as it is: the code stays the
+    same on every rank (docs/design.md, "Rank-dependent code without rank-dependent Python")."""
+    c = -(-size // pieces)
+    return torch.sym_min(c, size - coord.tolist()[axis] * c)
 
 
 def shard_fraction(spec: Spec, mesh_shape: Sequence[int]) -> int:
@@ -125,7 +159,8 @@ def _parse_spec(items: tuple[str, ...]) -> Spec:
 def spec_problem(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> str | None:
     """Why ``spec`` cannot place a tensor of global ``shape`` on a mesh of ``mesh_shape``, or
     ``None`` when it can: one placement per mesh axis, each ``Shard(d)`` with ``0 <= d <
-    len(shape)``, ``Replicate()`` or ``Partial()``, every split dim divided evenly."""
+    len(shape)``, ``Replicate()`` or ``Partial()``, every split dim divided evenly or split
+    unevenly by one mesh axis (see "Uneven splits" above)."""
     if len(spec) != len(mesh_shape):
         return f"has {len(spec)} placements for a {len(mesh_shape)}-axis mesh"
     for a, p in enumerate(spec):
@@ -135,14 +170,16 @@ def spec_problem(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) ->
         elif not isinstance(p, (Replicate, Partial)):
             return f"has {p!r} on mesh axis {a}, not Shard, Replicate or Partial"
     if not is_valid(spec, shape, mesh_shape):
-        return f"splits a dim of shape {tuple(shape)} unevenly over mesh {tuple(mesh_shape)}"
+        return (f"splits a dim of shape {tuple(shape)} over mesh {tuple(mesh_shape)} in a way no device "
+                "layout holds (uneven over several mesh axes, or leaving a device empty)")
     return None
 
 
 def is_valid(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
-    """True when every sharded dim is divided evenly by the mesh axes splitting it."""
+    """True when every sharded dim is divided evenly by the mesh axes splitting it, or split
+    unevenly by a single mesh axis with no device left empty."""
     for d, s in enumerate(shape):
         n = num_shards(spec, d, mesh_shape)
-        if n > 1 and s % n:
+        if n > 1 and s % n and (len(shard_axes(spec, d)) > 1 or not chunk_ok(s, n)):
             return False
     return all(not isinstance(p, Shard) or p.dim < len(shape) for p in spec)

@@ -46,7 +46,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .errors import PlanMismatchError
-from .placement import P, R, Spec, local_shape, shard_axes, spec_problem, spec_str
+from .placement import P, R, Spec, is_valid, local_shape, shard_axes, spec_problem, spec_str, uneven_dims
 from .plan import OUTPUTS, Move, Plan, returned_spec
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
@@ -278,8 +278,9 @@ def _apply_move(spec: Spec, shape, is_float: bool, m: Move, ms, where: str) -> S
     loc = local_shape(shape, spec, ms)
     p = spec[a]
 
-    def appendable(d) -> bool:  # a new split of dim d along axis a goes after its existing ones
-        return d is not None and 0 <= d < n and all(x < a for x in shard_axes(spec, d)) and loc[d] % ms[a] == 0
+    def appendable(d) -> bool:  # a new split of dim d along axis a goes after its existing ones, validly
+        return d is not None and 0 <= d < n and all(x < a for x in shard_axes(spec, d)) and \
+            is_valid(spec[:a] + (_shard(d),) + spec[a + 1:], shape, ms)
 
     def bad(why: str) -> PlanMismatchError:
         return _mismatch(where, f"{m.kind} along mesh axis {a} (dims {m.src_dim}, {m.dst_dim}) on spec "
@@ -290,7 +291,8 @@ def _apply_move(spec: Spec, shape, is_float: bool, m: Move, ms, where: str) -> S
         raise bad(f"mesh axis {a} must be the last one splitting dim {m.src_dim}")
     if m.kind == "all_gather" and m.dst_dim is None:
         return spec[:a] + (R,) + spec[a + 1:]
-    if m.kind == "all_to_all" and m.dst_dim != m.src_dim and appendable(m.dst_dim):
+    if m.kind == "all_to_all" and m.dst_dim != m.src_dim and appendable(m.dst_dim) and loc[m.dst_dim] % ms[a] == 0 \
+            and not uneven_dims(shape, spec, ms):
         return spec[:a] + (_shard(m.dst_dim),) + spec[a + 1:]
     if m.kind in ("slice", "reduce_scatter") and m.src_dim is None and appendable(m.dst_dim):
         if p != (R if m.kind == "slice" else P):

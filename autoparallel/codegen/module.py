@@ -333,9 +333,11 @@ class ParallelModule(nn.Module):
 
 def _distribute(tensor: torch.Tensor, device_mesh, spec) -> DTensor:
     """``tensor`` (rank 0's values) as a DTensor of placements ``spec``; under simulated ranks its
-    local shards are LocalTensors."""
+    local shards are LocalTensors. The global shape is given: shards split unevenly (``torch.chunk``
+    pieces) differ in size and would not tell it."""
     dt = distribute_tensor(tensor.detach().to(device_mesh.device_type), device_mesh, list(spec))
-    return DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False)
+    return DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False,
+                              shape=dt.shape, stride=dt.stride())
 
 
 def _shard_plain_tensors(module: ParallelModule, state_dict, prefix, *args) -> None:

@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Shard
 
 from ..graph import output_leaves, tensor_inputs
-from ..placement import P, R, Spec, local_shape, shard_axes
+from ..placement import P, R, Spec, chunk_length, local_shape, shard_axes, uneven_dims
 from ..plan import Move, Plan
 from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
@@ -170,12 +170,16 @@ class _Emitter:
         """One move; ``x`` and the result are nodes or :class:`_Pieces`."""
         a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
         loc = local_shape(shape, spec, self.mesh_shape)
+        if m.kind in ("all_gather", "slice", "reduce_scatter") and shape[m.src_dim if m.dst_dim is None
+                                                                        else m.dst_dim] % n:
+            return self.uneven_move(self.joined(x), shape, spec, loc, m)
         if m.kind == "all_gather":
             if isinstance(x, _Pieces) and x.gathered and x.dim == m.src_dim and max(shard_axes(spec, x.dim)) == a:
                 y = self.wait(self.call(c10d.all_gather_into_tensor.default, x.node, n, grp))
                 return _Pieces(y, x.dim, n * x.n, x.rows, True)
-            y = self.wait(self.call(c10d.all_gather_into_tensor.default, self.contiguous(self.joined(x)), n, grp))
-            return _Pieces(y, m.src_dim, n, loc[0], True) if m.src_dim else y
+            t = self.contiguous(self.joined(x))
+            y = self.wait(self.call(c10d.all_gather_into_tensor.default, t, n, grp))
+            return _Pieces(y, m.src_dim, n, self.rows(t, shape, spec), True) if m.src_dim else y
         if m.kind == "reduce_scatter":
             t = self.pieces_front(x, m.dst_dim, n, loc)
             return self.wait(self.call(c10d.reduce_scatter_tensor.default, t, "sum", n, grp))
@@ -194,6 +198,54 @@ class _Emitter:
         if m.kind == "mask":  # 0-d factor: the product keeps x's shape, a 0-d x included
             return self.call(aten.mul.Tensor, self.joined(x), self.first_of(a))
         raise ValueError(f"unknown move {m.kind}")
+
+    def rows(self, x: fx.Node, shape, spec: Spec):
+        """The size of dim 0 of ``x`` (global ``shape`` under ``spec``): an int, or, when dim 0
+        is split unevenly, a node reading it from ``x`` (it differs between devices)."""
+        if 0 in uneven_dims(shape, spec, self.mesh_shape):
+            return self.call(aten.sym_size.int, x, 0)
+        return local_shape(shape, spec, self.mesh_shape)[0]
+
+    def uneven_move(self, x: fx.Node, shape, spec: Spec, loc, m: Move) -> fx.Node:
+        """A move into or out of a dim split unevenly along axis ``m.axis`` (the only axis that
+        splits it; :mod:`autoparallel.placement`, "Uneven splits"), exact through padding: with
+        ``c = ceil(s / n)`` rows per piece, an all-gather pads each device's piece to ``c`` rows,
+        gathers and keeps the first ``s`` rows (the pads sit after the last real row, as the
+        first pieces are full); a slice or reduce-scatter pads the whole dim to ``n·c``, takes
+        this device's ``c`` rows and narrows them to the device's row count
+        (:func:`~autoparallel.placement.chunk_length`, rank-dependent without rank-dependent
+        Python). The pads' gradients are dropped by the backward of pad and narrow."""
+        a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
+        d = m.src_dim if m.kind == "all_gather" else m.dst_dim
+        s, ndim = shape[d], len(shape)
+        c = -(-s // n)
+        if m.kind == "all_gather":
+            short = self.call(operator.sub, c, self.call(aten.sym_size.int, x, d))
+            padded = self.call(aten.contiguous.default, self.pad(x, d, ndim, short))
+            y = self.wait(self.call(c10d.all_gather_into_tensor.default, padded, n, grp))
+            if d == 0:
+                return self.call(aten.narrow.default, y, 0, 0, s)
+            y = self.joined(_Pieces(y, d, n, self.rows(padded, shape, spec), True))
+            return self.copy(self.call(aten.narrow.default, y, d, 0, s))
+        x = self.pad(x, d, ndim, n * c - s)
+        if m.kind == "slice":
+            u = self.call(aten.unflatten.int, x, d, [n, c])
+            y = self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
+        else:
+            full = loc[:d] + (n * c,) + loc[d + 1:]
+            y = self.wait(self.call(c10d.reduce_scatter_tensor.default, self.pieces_front(x, d, n, full), "sum", n,
+                                    grp))
+        y = self.call(aten.narrow.default, y, d, 0, self.call(chunk_length, self.coord, a, s, n))
+        return self.copy(y) if d else y
+
+    def copy(self, x: fx.Node) -> fx.Node:
+        """A contiguous copy of ``x``, whose strides may differ between devices: under
+        ``LocalTensorMode``, ``contiguous()`` left the narrowed piece of a shorter rank strided."""
+        return self.g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+
+    def pad(self, x: fx.Node, d: int, ndim: int, rows) -> fx.Node:
+        """``x`` with ``rows`` zero rows (an int or a node) appended along dim ``d``."""
+        return self.call(aten.constant_pad_nd.default, x, [0, 0] * (ndim - 1 - d) + [0, rows])
 
     def contiguous(self, x: fx.Node) -> fx.Node:
         """``x`` in contiguous memory (a collective's result already is)."""

@@ -14,7 +14,11 @@ move               from → to (on axis a)  forward         backward
 =================  =====================  ==============  ===========================
 
 A dim split over several axes is split in ascending axis order, so only its last axis
-can be gathered and a new axis can only be appended after the existing ones. Gradients
+can be gathered and a new axis can only be appended after the existing ones. A dim may be
+split unevenly by one axis (:mod:`autoparallel.placement`, "Uneven splits"): slices,
+reduce-scatters and all-gathers reach and leave such specs (the emitter pads the pieces to
+equal size around the collective); all-to-alls do not, on any tensor with an uneven dim
+(their split sizes would differ by device), and bytes are those of the largest shard. Gradients
 of replicated tensors are carried as per-device partial sums (DESIGN §2), which is why a
 slice needs no backward collective. The search is Dijkstra's algorithm over specs with
 each move weighted by its forward and (when a gradient flows) backward cost, run once
@@ -29,7 +33,7 @@ from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..placement import P, R, Spec, local_shape, shard_axes
+from ..placement import P, R, Spec, is_valid, local_shape, shard_axes, uneven_dims
 from ..plan import Move
 from .costs import CostModel
 
@@ -56,6 +60,14 @@ class Redistributor:
         nbytes = itemsize
         for s in loc:
             nbytes *= s
+        even = not uneven_dims(shape, spec, ms)
+
+        def split(a: int, d: int) -> Spec | None:
+            """``spec`` with dim ``d`` split along axis ``a`` after its other axes, if valid."""
+            axes = shard_axes(spec, d)
+            new = spec[:a] + (Shard(d),) + spec[a + 1:]
+            return new if (not axes or axes[-1] < a) and is_valid(new, shape, ms) else None
+
         for a, p in enumerate(spec):
             n = ms[a]
             if n == 1:
@@ -67,21 +79,21 @@ class Redistributor:
                 yield Move("all_gather", a, d, None, nbytes * n), spec[:a] + (R,) + spec[a + 1:]
                 for d2 in range(len(shape)):
                     axes2 = shard_axes(spec, d2)
-                    if d2 != d and (not axes2 or axes2[-1] < a) and loc[d2] % n == 0:
+                    if even and d2 != d and (not axes2 or axes2[-1] < a) and loc[d2] % n == 0:
                         yield Move("all_to_all", a, d, d2, nbytes), spec[:a] + (Shard(d2),) + spec[a + 1:]
             elif isinstance(p, Replicate):
                 for d in range(len(shape)):
-                    axes = shard_axes(spec, d)
-                    if (not axes or axes[-1] < a) and loc[d] % n == 0:
-                        yield Move("slice", a, None, d, 0), spec[:a] + (Shard(d),) + spec[a + 1:]
+                    new = split(a, d)
+                    if new is not None:
+                        yield Move("slice", a, None, d, 0), new
                 if is_float:
                     yield Move("mask", a, None, None, 0), spec[:a] + (P,) + spec[a + 1:]
             elif isinstance(p, Partial):
                 yield Move("all_reduce", a, None, None, nbytes), spec[:a] + (R,) + spec[a + 1:]
                 for d in range(len(shape)):
-                    axes = shard_axes(spec, d)
-                    if (not axes or axes[-1] < a) and loc[d] % n == 0:
-                        yield Move("reduce_scatter", a, None, d, nbytes), spec[:a] + (Shard(d),) + spec[a + 1:]
+                    new = split(a, d)
+                    if new is not None:
+                        yield Move("reduce_scatter", a, None, d, nbytes), new
 
     def move_cost(self, m: Move, requires_grad: bool) -> float:
         """Forward (+ backward when a gradient flows) seconds of one move."""

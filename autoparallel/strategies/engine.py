@@ -11,8 +11,10 @@ in which the op is linear: when exactly those inputs are ``Partial`` along a mes
 rest replicated), the output is ``Partial`` along it.
 
 Enumeration assigns to every mesh axis either nothing, one label, or one linear set,
-and keeps assignments where every split dim divides evenly. This is the einsum view of
-sharding that Alpa (arXiv 2201.12023, §4.1) and the SPMD partitioners build on; one
+and keeps assignments where every split dim divides evenly, or, for ops whose local form is
+exact on ``torch.chunk`` pieces (``DimMap.uneven``), where a label of the same size in every
+tensor is split unevenly by one mesh axis (:mod:`autoparallel.placement`, "Uneven splits").
+This is the einsum view of sharding that Alpa (arXiv 2201.12023, §4.1) and the SPMD partitioners build on; one
 engine covers matmuls, pointwise ops, views and reductions.
 """
 
@@ -25,7 +27,7 @@ from typing import Hashable, Sequence
 
 from torch.distributed.tensor import Shard
 
-from ..placement import P, R, Spec
+from ..placement import P, R, Spec, chunk_ok
 
 Label = Hashable
 
@@ -38,12 +40,13 @@ class Strategy:
         inputs: the spec each tensor input must have, in the order of
             :func:`autoparallel.strategies.tensor_inputs`.
         outputs: the spec of each tensor output.
-        split: how many ways the op's work is divided (global FLOPs / local FLOPs).
+        split: how many ways the op's work is divided (global FLOPs / the largest device's
+            FLOPs; not an integer when a dim is split unevenly).
     """
 
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
-    split: int = 1
+    split: int | float = 1
 
 
 @dataclass
@@ -60,6 +63,11 @@ class DimMap:
             added after the sum would be ``Partial``.
         blocks: label → a count the label's number of pieces must divide as well as its
             dims' sizes (``group_norm``'s channels split by whole groups).
+        uneven: how many dims of each tensor may be split unevenly: 0 (the default) for ops
+            whose local form assumes equal pieces; a ``view`` takes 1 (its local size
+            argument holds ``-1`` for that dim), ops with no size argument any number. An
+            op with inputs splits unevenly only labels some input has (an ``expand``ed
+            broadcast dim has no input to take its local, device-dependent size from).
     """
 
     inputs: list[tuple[Label | None, ...]]
@@ -70,6 +78,7 @@ class DimMap:
     partial: list[frozenset[int]] = field(default_factory=list)
     factors: frozenset[int] = frozenset()
     blocks: dict = field(default_factory=dict)
+    uneven: int = 0
 
 
 def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
@@ -106,21 +115,22 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
                 labels.append(lab)
     options = [(None, None)] + [("label", lab) for lab in labels] + [("partial", g) for g in dm.partial]
     tensors = list(zip(dm.inputs, dm.in_shapes)) + list(zip(dm.outputs, dm.out_shapes))
+    in_labels = {lab for labs in dm.inputs for lab in labs}
+    sizes: dict = {}  # label → the sizes of its dims
+    for labs, shape in tensors:
+        for lab, s in zip(labs, shape):
+            if lab is not None:
+                sizes.setdefault(lab, set()).add(s)
     result = []
     for assign in itertools.product(options, repeat=len(mesh_shape)):
         # a label must be split in ascending mesh-axis order; product() gives each set once
-        ok = True
-        for labs, shape in tensors:
-            for d, lab in enumerate(labs):
-                if lab is None:
-                    continue
-                n = _pieces(mesh_shape, assign, lab)
-                if n > 1 and shape[d] % n:
-                    ok = False
-                    break
-            if not ok:
-                break
-        if not ok or any(count % _pieces(mesh_shape, assign, lab) for lab, count in dm.blocks.items()):
+        split = {lab: _pieces(mesh_shape, assign, lab) for lab in labels}
+        uneven = {lab for lab, n in split.items() if any(s % n for s in sizes[lab])}
+        if any(not _uneven_ok(assign, lab, sizes[lab], split[lab]) or dm.inputs and lab not in in_labels
+               for lab in uneven) or dm.uneven < max(
+                (sum(lab in uneven for lab in labs) for labs, _ in tensors), default=0):
+            continue
+        if any(count % _pieces(mesh_shape, assign, lab) for lab, count in dm.blocks.items()):
             continue
         # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
         if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
@@ -129,6 +139,20 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
         outs = [_spec_for(labs, assign, dm.reduce, False, i) for i, labs in enumerate(dm.outputs)]
         if any(s is None for s in outs):
             continue
-        split = math.prod(mesh_shape[a] for a, (k, _) in enumerate(assign) if k == "label")
-        result.append(Strategy(tuple(ins), tuple(outs), split))
+        work = math.prod(_work_split(sizes[lab], n) for lab, n in split.items() if n > 1)
+        result.append(Strategy(tuple(ins), tuple(outs), work))
     return result
+
+
+def _uneven_ok(assign, label, sizes: set[int], pieces: int) -> bool:
+    """Whether ``label`` may be cut unevenly into ``pieces``: by one mesh axis, with the same
+    size in every tensor (so that the pieces of all of them correspond), none left empty."""
+    axes = sum(1 for k, v in assign if k == "label" and v == label)
+    return axes == 1 and len(sizes) == 1 and chunk_ok(next(iter(sizes)), pieces)
+
+
+def _work_split(sizes: set[int], pieces: int) -> int | float:
+    """Global over the largest device's extent of a label cut into ``pieces``: ``pieces`` for
+    an even split, ``s / ceil(s / pieces)`` (a float, a little less) for an uneven one."""
+    s = max(sizes)
+    return pieces if s % pieces == 0 else s / -(-s // pieces)

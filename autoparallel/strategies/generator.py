@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingRuleError
-from ..placement import P, R
+from ..placement import P, R, uneven_dims
 from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy, enumerate_strategies
 from ..graph import tensor_inputs
@@ -105,13 +105,26 @@ def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape) -
     return enumerate_strategies(res, mesh_shape) if isinstance(res, DimMap) else res
 
 
+def _param_spec_ok(shape, spec, mesh_shape) -> bool:
+    """Whether a parameter or buffer may be stored under ``spec``: even splits always; an
+    uneven one (``distribute_tensor`` cuts ``torch.chunk`` pieces) only of its first dim, as
+    along a later dim the pieces' strides differ by device and DTensor's gradient of
+    ``to_local`` (torch 2.13) infers one global stride per device, and only when no mesh axis
+    replicates it, as the flat gradient bucket of replicated parameters
+    (:mod:`autoparallel.runtime_kernels.grad_reduction`) splits its buffer with ``torch.split``,
+    which takes no size that differs by simulated rank."""
+    uneven = uneven_dims(shape, spec, mesh_shape)
+    return not uneven or (set(uneven) == {0} and all(p != R for n, p in zip(mesh_shape, spec) if n > 1))
+
+
 class StrategyGenerator:
     """Lists the strategies of every node of a traced graph on a mesh.
 
     Placeholders (the global batch) are replicated: consumers that want them split take
     a local slice, which costs nothing. Parameters and buffers may be split over any of
-    their dims. An op that returns no tensor (``x.item()``: a Python number) reads its
-    tensor inputs replicated, so that every device computes the global value. ``getitem``
+    their dims, and unevenly as :func:`_param_spec_ok` allows. An op that returns no tensor
+    (``x.item()``: a Python number) reads its tensor inputs replicated, so that every device
+    computes the global value. ``getitem``
     nodes alias an output of their producer and get no strategies of their own (see
     :attr:`aliases`). A node that no rule of ours covers (no rule for
     its op, or the rule returns nothing for its arguments) takes the strategies DTensor's
@@ -165,8 +178,9 @@ class StrategyGenerator:
                 out[node] = [Strategy((), (repl,) * len(info.outputs))]
             elif node.op == "get_attr":
                 shape = info.outputs[0][0]
-                dm = DimMap([], [tuple(f"d{i}" for i in range(len(shape)))], [], [shape])
-                out[node] = enumerate_strategies(dm, self.mesh_shape)
+                dm = DimMap([], [tuple(f"d{i}" for i in range(len(shape)))], [], [shape], uneven=1)
+                out[node] = [s for s in enumerate_strategies(dm, self.mesh_shape)
+                             if _param_spec_ok(shape, s.outputs[0], self.mesh_shape)]
             else:
                 out[node] = self._op_strategies(node, info)
         if self.fallbacks and self.strict:

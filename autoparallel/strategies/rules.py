@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..graph import op_args
+from ..placement import uneven_dims
 from .engine import DimMap
 from .records import RECORDS, LocalCall, OpRecord, record
 
@@ -94,7 +95,10 @@ def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap | None:
         partial = [frozenset([i]) for i in range(n)]
     elif linear == LINEAR_FIRST and n >= 1:
         partial = [frozenset([0])]
-    return DimMap(ins, [labs] * len(out_shapes), list(in_shapes), list(out_shapes), partial=partial)
+    # uneven splits: elementwise on any pieces, but random ops draw per shard of equal size
+    random = torch.Tag.nondeterministic_seeded in getattr(getattr(node, "target", None), "tags", ())
+    return DimMap(ins, [labs] * len(out_shapes), list(in_shapes), list(out_shapes), partial=partial,
+                  uneven=0 if random else len(out))
 
 
 for _op, _lin in POINTWISE.items():
@@ -136,17 +140,25 @@ def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
 
 def local_size(call: LocalCall):
     """``view``/``reshape``/``expand`` on one device: the size argument holds local sizes
-    (``expand``'s ``-1``, "keep this dim", stays)."""
+    (``expand``'s ``-1``, "keep this dim", stays); the one dim split unevenly, whose size
+    differs between devices, is ``-1`` (inferred by ``view``, kept by ``expand``)."""
     name = "shape" if call.node.target == aten.reshape.default else "size"
     keep = call.node.target == aten.expand.default
-    size = [-1 if keep and s == -1 else n for s, n in zip(call.bound()[name], call.local_out_shape())]
+    size = [-1 if keep and s == -1 else n for s, n in zip(call.bound()[name], _local_sizes(call))]
     return call.emit(None, *call.with_arg(name, size))
 
 
 def local_squeeze(call: LocalCall):
     """A squeeze on one device is a reshape to the local shape: a split dim may be 1 locally
     without being squeezable."""
-    return call.emit(aten.reshape.default, (call.args[0], list(call.local_out_shape())), {})
+    return call.emit(aten.reshape.default, (call.args[0], _local_sizes(call)), {})
+
+
+def _local_sizes(call: LocalCall) -> list[int]:
+    """The local output shape, with ``-1`` for a dim split unevenly (one at most: the rule's
+    ``DimMap.uneven``)."""
+    uneven = uneven_dims(call.out_shapes[0], call.output_specs[0], call.mesh_shape)
+    return [-1 if d in uneven else n for d, n in enumerate(call.local_out_shape())]
 
 
 @record(aten.unsqueeze.default, aten.flatten.using_ints)
@@ -156,7 +168,7 @@ def view_rule(node, in_shapes, out_shapes):
     """Views and reshapes (capture rewrites ``view_as``, ``reshape_as`` and ``unflatten``
     into ``view``/``reshape`` to the output's shape: :mod:`autoparallel.tracer.decompose`)."""
     lin, lout = view_dims(in_shapes[0], out_shapes[0])
-    return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+    return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=1)
 
 
 @record(aten.expand.default, local=local_size)
@@ -167,7 +179,7 @@ def expand_rule(node, in_shapes, out_shapes):
     s = in_shapes[0]
     off = len(out) - len(s)
     lin = tuple(labs[off + j] if s[j] == out[off + j] else None for j in range(len(s)))
-    return DimMap([lin], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+    return DimMap([lin], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=1)
 
 
 @record(aten.transpose.int, aten.t.default, aten.permute.default, aten.movedim.int, aten.numpy_T.default)
@@ -190,7 +202,7 @@ def permute_rule(node, in_shapes, out_shapes):
         if nd > 1:
             perm[d0], perm[d1] = perm[d1], perm[d0]
     return DimMap([labs], [tuple(labs[p] for p in perm)], list(in_shapes), list(out_shapes),
-                  partial=[frozenset([0])])
+                  partial=[frozenset([0])], uneven=nd)
 
 
 def _forbid(labs, dims):
@@ -363,7 +375,7 @@ def matmul_rule(node, in_shapes, out_shapes):
 
     lout = batch + core_a[:-1] + core_b[1:]
     return DimMap([labels(a, core_a), labels(b, core_b)], [lout], list(in_shapes), list(out_shapes),
-                  reduce=frozenset({"k"}))
+                  reduce=frozenset({"k"}), uneven=len(lout) + 1)
 
 
 @record(aten.addmm.default, aten.baddbmm.default)
@@ -375,7 +387,7 @@ def addmm_rule(node, in_shapes, out_shapes):
     off = len(out) - len(bias)
     lbias = tuple(lout[off + j] if bias[j] == out[off + j] else None for j in range(len(bias)))
     return DimMap([lbias, batch + ("m", "k"), batch + ("k", "n")], [lout], list(in_shapes), list(out_shapes),
-                  reduce=frozenset({"k"}))
+                  reduce=frozenset({"k"}), uneven=len(lout))
 
 
 @record(aten.linear.default)
@@ -384,7 +396,8 @@ def linear_rule(node, in_shapes, out_shapes):
     ins = [batch + ("k",), ("n", "k")]
     if len(in_shapes) == 3:
         ins.append(("n",) if len(in_shapes[2]) == 1 else (None,) * len(in_shapes[2]))
-    return DimMap(ins, [batch + ("n",)], list(in_shapes), list(out_shapes), reduce=frozenset({"k"}))
+    return DimMap(ins, [batch + ("n",)], list(in_shapes), list(out_shapes), reduce=frozenset({"k"}),
+                  uneven=len(batch) + 1)
 
 
 # ---------------------------------------------------------------- NN ops
