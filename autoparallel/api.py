@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from . import cache, errors, precision
 from .codegen import ParallelModule
-from .constraints import as_spec, cache_key as constraints_key, format_spec, resolve as resolve_constraints
+from .constraints import cache_key as constraints_key, resolve as resolve_constraints
 from .constraints import restrict as restrict_strategies
 from .codegen.code import readable
 from .codegen.module import Variant
@@ -195,8 +195,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.solver_stats["cache"] = "miss" if folder is not None else "off"
     plan.mp_policy = mp_policy
     if user_pins:
-        plan.solver_stats["placement_constraints"] = {k: format_spec(as_spec(v, mesh, k), mesh.axis_names)
-                                            for k, v in constraints.items()}
+        plan.solver_stats["placement_constraints"] = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
     cache.store(folder, key, plan)
     return plan
 

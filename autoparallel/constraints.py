@@ -33,6 +33,10 @@ Either every item names its mesh axis, and the axes not named are replicated
 splits dim 0 over both, dp outermost), or none does and there is one item per mesh axis
 in mesh order (``"S0 R"``). ``"R"`` alone is replicated on every axis. A DTensor
 placement tuple (``(Shard(0), Replicate())``, one per mesh axis) is accepted as well.
+
+``"STORED -> USED"`` pins a tensor's placement and how every op that reads it takes it:
+``"S0(dp) -> R"`` keeps a parameter split over dp and all-gathered for compute (FSDP);
+without ``->`` the planner chooses how it is read.
 """
 
 from __future__ import annotations
@@ -178,11 +182,16 @@ class Target:
 
 @dataclass(frozen=True)
 class Pinned:
-    """One resolved constraint: ``target`` must be placed ``spec``, asked by ``pattern``."""
+    """One resolved constraint: ``target`` must be placed ``spec`` and, when ``use`` is
+    given, read as ``use`` by every op that reads it; asked by ``pattern``."""
 
     pattern: str
     target: Target
     spec: Spec
+    use: Spec | None = None
+
+    def text(self, axis_names) -> str:
+        return format_spec(self.spec, axis_names) + (f" -> {format_spec(self.use, axis_names)}" if self.use else "")
 
 
 def targets(traced) -> list[Target]:
@@ -261,21 +270,30 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
     pinned: list[Pinned] = []
     by_node: dict[tuple[str, fx.Node], Pinned] = {}
     for pattern, value in constraints.items():
-        spec = as_spec(value, mesh, pattern)
+        spec, use = _stored_and_used(value, mesh, pattern)
         hits = [t for t in all_targets if any(fnmatch.fnmatchcase(n, pattern) for n in t.names)]
         if not hits:
             raise ConstraintError(f"constraint {pattern!r} matches no parameter, buffer, module, input or output "
                                   f"name; some names: {_examples(all_targets)}")
         for t in hits:
             key = (t.kind == "input", t.node)
+            p = Pinned(pattern, t, spec, use)
             other = by_node.get(key)
-            if other is not None and other.spec != spec:
+            if other is not None and (other.spec, other.use) != (spec, use):
                 raise ConstraintError(
-                    f"{t.label} is pinned to {format_spec(other.spec, mesh.axis_names)} by {other.pattern!r} and "
-                    f"to {format_spec(spec, mesh.axis_names)} by {pattern!r}: make the patterns disjoint")
-            by_node[key] = p = Pinned(pattern, t, spec)
+                    f"{t.label} is pinned to {other.text(mesh.axis_names)} by {other.pattern!r} and "
+                    f"to {p.text(mesh.axis_names)} by {pattern!r}: make the patterns disjoint")
+            by_node[key] = p
             pinned.append(p)
     return pinned
+
+
+def _stored_and_used(value, mesh: MeshSpec, pattern: str) -> tuple[Spec, Spec | None]:
+    """``(placement, use)`` of a constraint value: ``"STORED -> USED"`` text gives both."""
+    if isinstance(value, str) and "->" in value:
+        stored, _, used = value.partition("->")
+        return as_spec(stored, mesh, pattern), as_spec(used, mesh, pattern)
+    return as_spec(value, mesh, pattern), None
 
 
 def _examples(all_targets: list[Target]) -> str:
@@ -287,13 +305,14 @@ def _examples(all_targets: list[Target]) -> str:
 
 def cache_key(pinned: list[Pinned]) -> dict[str, list]:
     """What the plan cache keys a set of resolved constraints by: tensor → spec (JSON)."""
-    return {f"{p.target.label}": spec_to_json(p.spec) for p in sorted(pinned, key=lambda p: p.target.label)}
+    return {p.target.label: [spec_to_json(p.spec), spec_to_json(p.use) if p.use else None]
+            for p in sorted(pinned, key=lambda p: p.target.label)}
 
 
 def restrict(strategies: dict, aliases: dict, pinned: list[Pinned], axis_names: Sequence[str]) -> None:
     """Keep, for every pinned tensor, only the strategies that place it as pinned: those of
     its producer giving that output spec, or, for an input, those of every op reading it
-    taking that input spec.
+    taking that input spec; with a ``use``, also those of every op reading it taking it so.
 
     Raises:
         ConstraintError: when no strategy places a tensor as pinned, naming the pattern, the
@@ -301,24 +320,29 @@ def restrict(strategies: dict, aliases: dict, pinned: list[Pinned], axis_names: 
     """
     for p in pinned:
         if p.target.kind == "input":
-            for user in p.target.node.users:
-                if user not in strategies:
-                    continue
-                for j, (_, x) in enumerate(tensor_inputs(user)):
-                    if x is p.target.node:
-                        _keep(strategies, user, p, axis_names, lambda s, j=j: s.inputs[j],
-                              f"as read by {user.name}")
+            _keep_readers(strategies, p, p.spec, axis_names)
             continue
         node, idx = aliases.get(p.target.node, (p.target.node, 0))
         if node in strategies:
-            _keep(strategies, node, p, axis_names, lambda s, idx=idx: s.outputs[idx], "")
+            _keep(strategies, node, p, p.spec, axis_names, lambda s, idx=idx: s.outputs[idx], "")
+        if p.use is not None:
+            _keep_readers(strategies, p, p.use, axis_names)
 
 
-def _keep(strategies, node, p: Pinned, axis_names, spec_of, how: str) -> None:
-    kept = [s for s in strategies[node] if tuple(spec_of(s)) == p.spec]
+def _keep_readers(strategies, p: Pinned, spec: Spec, axis_names) -> None:
+    for user in p.target.node.users:
+        if user not in strategies:
+            continue
+        for j, (_, x) in enumerate(tensor_inputs(user)):
+            if x is p.target.node:
+                _keep(strategies, user, p, spec, axis_names, lambda s, j=j: s.inputs[j], f"as read by {user.name}")
+
+
+def _keep(strategies, node, p: Pinned, spec: Spec, axis_names, spec_of, how: str) -> None:
+    kept = [s for s in strategies[node] if tuple(spec_of(s)) == spec]
     if not kept:
         legal = sorted({format_spec(spec_of(s), axis_names) for s in strategies[node]})
         raise ConstraintError(
             f"constraint {p.pattern!r}: {p.target.label} {list(p.target.shape)} {how + ' ' if how else ''}cannot be "
-            f"placed {format_spec(p.spec, axis_names)}; its legal placements are: {', '.join(legal)}")
+            f"placed {format_spec(spec, axis_names)}; its legal placements are: {', '.join(legal)}")
     strategies[node] = kept

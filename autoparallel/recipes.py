@@ -5,9 +5,9 @@ of the recipes people write by hand:
 
 * **DDP**: every parameter replicated, the batch split over every mesh axis;
 * **FSDP (ZeRO-3)** (Rajbhandari et al., SC 2020, §5): every parameter stored split over
-  every mesh axis along its first dim they divide (replicated when none does), the batch
-  split over every axis; the planner chooses how the shards are used (in practice it
-  all-gathers them for compute, as FSDP does);
+  every mesh axis along its first dim they divide (replicated when none does) and read whole
+  (``"S0(dp) -> R"``: all-gathered for compute, its gradient reduce-scattered), the batch
+  split over every axis;
 * **Megatron TP** (Shoeybi et al., 2019, §3): in each repeated layer, column-parallel
   projections (output features split) followed by a row-parallel one (input features split),
   the embedding whose rows are the LM head's vocabulary and the LM head split by
@@ -15,7 +15,10 @@ of the recipes people write by hand:
   (the batch split over it) and the last axis the tensor-parallel one; on a 1-D mesh the
   only axis is tensor parallel and the batch is not split;
 * **FSDP + TP** (2-D meshes): Megatron TP on the last axis, each parameter additionally
-  stored split over the first axis (FSDP) along its first dim that the split divides.
+  stored split over the first axes (FSDP) along its first dim that the split divides; the
+  parameters Megatron splits are gathered over those axes for compute (read in their Megatron
+  placement), the ones it replicates are read as the planner chooses (a row-parallel bias is
+  added as a pending sum, ``P(tp)``, so "read whole" cannot be asked of it).
 
 Roles are found from the traced graph, not from module names: a *projection* is a 2-D
 parameter that a matrix product reads as its weight (``aten.linear``: ``[out, in]``;
@@ -229,7 +232,7 @@ def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
         fsdp, notes = {}, []
         for t, shape in roles.params.items():
             d = next((d for d in range(len(shape)) if _split(shape, d, size)), None)
-            fsdp[t] = spec({a: d for a in every}) if d is not None else "R"
+            fsdp[t] = spec({a: d for a in every}) + " -> R" if d is not None else "R"
             if d is None:
                 notes.append(t)
         out.append(Recipe("FSDP (ZeRO-3)", fsdp | dp_all,
@@ -256,12 +259,15 @@ def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
     both, notes = {}, 0
     for t, d in dims.items():
         shape = roles.params[t]
-        fs = next((e for e in range(len(shape)) if _split(shape, e, dp * (tp if e == d else 1))), None)
+        order = [e for e in range(len(shape)) if e != d] + ([d] if d is not None else [])  # other dims first
+        fs = next((e for e in order if _split(shape, e, dp * (tp if e == d else 1))), None)
         notes += fs is None
         on = {a: fs for a in dp_axes} if fs is not None else {}
         if d is not None:
             on[tp_axis] = d
-        both[t] = spec(on)
+        # read in its Megatron placement; one Megatron replicates (a row-parallel bias, a norm) is read as
+        # the planner chooses: a row-parallel product adds its bias as a pending sum (P(tp)), not whole
+        both[t] = spec(on) + (f" -> {spec({tp_axis: d})}" if fs is not None and d is not None else "")
     if why:
         out.append(Recipe("FSDP + TP", None, why))
     else:

@@ -16,10 +16,12 @@ What it does, on a 2 x 2 mesh ("dp", "tp") of gloo processes:
   data file needs to be shipped with the example;
 * draws global batches of 8 x 64 tokens with a seeded generator, so every rank draws
   the same batches (the parallel module takes the global batch on every rank);
-* plans and applies the parallelization with
-  ``autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh)``, prints the plan
-  and its estimated step time against plain data parallelism priced by the same cost
-  model;
+* measures the mesh's costs (``autoparallel.profile_mesh``, cached after the first run),
+  plans and applies the parallelization with
+  ``autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=...)``,
+  prints the plan's summary (``print(pmodel.plan)``; ``pmodel.plan.table()`` lists every
+  node) and the plan beside DDP, FSDP, Megatron TP and FSDP + TP, each priced by the same
+  cost model (``autoparallel.compare``);
 * trains 20 steps with AdamW (gradients clipped to norm 1), printing the loss of every step, and checks that the loss
   of step 0 equals the loss of the single-device model on the same batch (exits with a
   non-zero status if it does not).
@@ -114,21 +116,17 @@ def main() -> int:
     meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in data[0].items()}
 
     t0 = time.perf_counter()
-    pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh)
+    cost_model = autoparallel.CostModel.from_profile(autoparallel.profile_mesh(mesh))  # every rank measures
+    pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost_model,
+                                          mesh_spec=cost_model.profile.mesh_spec(("dp", "tp")))
     t_plan = time.perf_counter() - t0
 
     if rank == 0:
+        # the same planning (no devices) for DDP, FSDP, Megatron TP and FSDP + TP
+        comparison = autoparallel.compare(model, meta_inputs, mesh_spec=pmodel.plan.mesh, cost_model=cost_model)
+        pmodel.plan.estimate["baselines"] = comparison.plan.estimate["baselines"]
         print(pmodel.plan, flush=True)
-        with torch.device("meta"):
-            meta_model = GPT2LMHeadModel(config)
-        meta_model.train()
-        dp_plan = autoparallel.plan(meta_model, meta_inputs, mesh_shape=MESH_SHAPE, parallelism="data")
-        chosen = pmodel.plan.estimate["step_time_s"]
-        dp = dp_plan.estimate["step_time_s"]
-        print(f"estimated step time: chosen plan {chosen:.4g} s vs data parallel {dp:.4g} s "
-              f"({dp / chosen:.2f}x)", flush=True)
-        print(f"forward collectives: {len(pmodel.plan.collectives)} "
-              f"(data parallel: {len(dp_plan.collectives)})", flush=True)
+        print(comparison, flush=True)
         print(f"autoparallelize took {t_plan:.1f} s", flush=True)
 
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)

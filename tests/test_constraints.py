@@ -119,3 +119,20 @@ def test_constraints_enter_the_cache_key(gpt2, tmp_path):
     c = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=tmp_path, constraints={"lm_head.weight": "R"})
     assert a.solver_stats["cache"] == "miss" and b.solver_stats["cache"] == "miss"
     assert c.solver_stats["cache"] == "hit" and b.param_placements["lm_head.weight"] == (R, R)
+
+
+def test_stored_and_used(gpt2):
+    from autoparallel.summary import parameter_use
+
+    plan = _plan(gpt2, constraints={"transformer.h.*.mlp.c_fc.weight": "S0(dp) S1(tp) -> S1(tp)",
+                                    "transformer.wpe.weight": "S0(dp) S0(tp) -> R"})
+    assert plan.param_placements["transformer.h.1.mlp.c_fc.weight"] == (Shard(0), Shard(1))
+    node = {names[0]: n for n, names in plan.state_nodes.items()}
+    assert parameter_use(plan, node["transformer.h.1.mlp.c_fc.weight"]) == "all-gathered over dp"
+    assert parameter_use(plan, node["transformer.wpe.weight"]) == "all-gathered over dp,tp"
+    assert plan.solver_stats["placement_constraints"]["transformer.wpe.weight"] == "S0(dp) S0(tp) -> R"
+    with pytest.raises(ConstraintError, match="-> R by .* and to S0\\(dp\\) S0\\(tp\\) -> S0\\(tp\\) by"):
+        _plan(gpt2, constraints={"transformer.wpe.weight": "S0(dp) S0(tp) -> R",
+                                 "transformer.wpe.*": "S0(dp) S0(tp) -> S0(tp)"})
+    with pytest.raises(ConstraintError, match="as read by"):
+        _plan(gpt2, constraints={"transformer.wpe.weight": "S0(dp) -> S5(tp)"})

@@ -51,13 +51,13 @@ def test_recipe_constraints():
     assert set(by) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
     ddp, fsdp, tp, both = (by[k].constraints for k in by)
     assert ddp["model.layers.0.mlp.up_proj.weight"] == "R" and ddp["input_ids"] == "S0(dp) S0(tp)"
-    assert fsdp["model.layers.0.mlp.up_proj.weight"] == "S0(dp) S0(tp)"
+    assert fsdp["model.layers.0.mlp.up_proj.weight"] == "S0(dp) S0(tp) -> R"
     assert tp["model.layers.1.self_attn.q_proj.weight"] == "S0(tp)"  # column: output features
     assert tp["model.layers.1.self_attn.o_proj.weight"] == "S1(tp)"  # row: input features
     assert tp["model.embed_tokens.weight"] == "S0(tp)" and tp["lm_head.weight"] == "S0(tp)"  # vocabulary
     assert tp["model.norm.weight"] == "R" and tp["input_ids"] == "S0(dp)"
-    assert both["model.layers.1.self_attn.o_proj.weight"] == "S0(dp) S1(tp)"
-    assert both["model.layers.1.self_attn.q_proj.weight"] == "S0(dp) S0(tp)"
+    assert both["model.layers.1.self_attn.o_proj.weight"] == "S0(dp) S1(tp) -> S1(tp)"
+    assert both["model.layers.1.self_attn.q_proj.weight"] == "S1(dp) S0(tp) -> S0(tp)"
     one_d = {r.name: r for r in recipes(traced, autoparallel.MeshSpec((4,), ("x",)))}
     assert one_d["FSDP + TP"].constraints is None and "2-D mesh" in one_d["FSDP + TP"].reason
     assert one_d["Megatron TP over x"].constraints["input_ids"] == "R"
