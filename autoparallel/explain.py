@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .placement import spec_from_json, spec_to_json
+
 if TYPE_CHECKING:  # the planner builds alternatives; the plan prints them
     from .plan import Plan
 
@@ -37,7 +39,8 @@ KEEP = 3
 
 def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
     """Per node with more than one strategy: its chosen strategy and its :data:`KEEP`
-    cheapest alternatives (module docstring), each ``{"specs": text, "compute_s",
+    cheapest alternatives (module docstring), each ``{"specs": [input specs, output
+    specs] (JSON, as ``Plan.to_json``), "compute_s",
     "comm_s", "memory_bytes", "cost_s"}``, under ``"chosen"`` and ``"alternatives"``
     (ascending ``cost_s``). A node of a repeated layer that shares its template's ILP
     variables (:mod:`~autoparallel.solver.shared_layers`) gets ``{"same_as": template}``:
@@ -72,8 +75,8 @@ def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
         chosen = next((r for _, other, r in priced if not other), None)
         if chosen is None:
             continue
-        rest = sorted((c, r["specs"], r) for c, other, r in priced if other)
-        result[node.name] = {"chosen": chosen, "alternatives": [r for _, _, r in rest[:KEEP]]}
+        rest = sorted((r for _, other, r in priced if other), key=lambda r: (r["cost_s"], str(r["specs"])))
+        result[node.name] = {"chosen": chosen, "alternatives": rest[:KEEP]}
     return result
 
 
@@ -92,14 +95,9 @@ def _price(planner, node, s, choice, ins, outs) -> dict | None:
         comm += planner._edge_cost(key, (u, idx), rg, src, dst)
     if math.isinf(comm):
         return None
-    return {"specs": _specs(node, s), "compute_s": compute, "comm_s": comm, "memory_bytes": int(mem),
+    specs = [[spec_to_json(x) for x in s.inputs], [spec_to_json(x) for x in s.outputs]]
+    return {"specs": specs, "compute_s": compute, "comm_s": comm, "memory_bytes": int(mem),
             "cost_s": compute + comm}
-
-
-def _specs(node, s) -> list:
-    from .placement import spec_to_json
-
-    return [[spec_to_json(x) for x in s.inputs], [spec_to_json(x) for x in s.outputs]]
 
 
 def explain(plan: "Plan", name: str) -> str:
@@ -115,7 +113,8 @@ def explain(plan: "Plan", name: str) -> str:
     if not nodes:
         some = list(plan.param_placements)[:2] + [n.module_path for n in plan.nodes.values() if n.module_path][:1]
         raise KeyError(f"{name!r} is not a parameter, buffer, module path or node of the plan; e.g. {some}")
-    lines = []
+    lines = [] if plan.alternatives else ["(this plan records no alternatives: it was made by hand, by make_plan, "
+                                          "or before they were recorded; plan again to see them)"]
     for n in nodes:
         lines += _explain_node(plan, n)
     return "\n".join(lines)
@@ -151,7 +150,8 @@ def _explain_node(plan: "Plan", node_name: str) -> list[str]:
         lines.append(f"  {'next best' if k == 0 else 'then':<12} {_row_specs(plan, a)}: {_dt(d)} total "
                      f"(compute {_dt(a['compute_s'] - c['compute_s'])}, communication "
                      f"{_dt(a['comm_s'] - c['comm_s'])}, memory {_db(a['memory_bytes'] - c['memory_bytes'])})"
-                     + ("  <- cheaper alone; ruled out by the shared layers, memory budget or overlap terms"
+                     + ("  <- cheaper alone; ruled out by the shared layers, the memory budget, the overlap "
+                        "terms or the solver's time limit"
                         if d < 0 else ""))
     if not entry["alternatives"]:
         lines.append("  (every other strategy needs an impossible redistribution)")
@@ -159,7 +159,6 @@ def _explain_node(plan: "Plan", node_name: str) -> list[str]:
 
 
 def _row_specs(plan: "Plan", row: dict) -> str:
-    from .placement import spec_from_json
     from .summary import named_specs
 
     ins, outs = row["specs"]
