@@ -136,3 +136,39 @@ def test_stored_and_used(gpt2):
                                  "transformer.wpe.*": "S0(dp) S0(tp) -> S0(tp)"})
     with pytest.raises(ConstraintError, match="as read by"):
         _plan(gpt2, constraints={"transformer.wpe.weight": "S0(dp) -> S5(tp)"})
+
+
+@pytest.mark.slow
+def test_autoparallelize_with_constraints_keeps_parity(sim_mesh):
+    import copy
+
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from models import batch_for, to_meta
+    from models import build_model as build
+
+    mesh = sim_mesh((2, 2))
+    ref = build("gpt2")
+    model = copy.deepcopy(ref)
+    ranks = frozenset(range(4))
+    constraints = {"transformer.h.*.mlp.c_fc.weight": "S0(0) S1(1) -> S1(1)",  # FSDP over axis 0 + TP over 1
+                   "transformer.h.*.mlp.c_proj.weight": "S0(1)", "input_ids": "S0(0)"}
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for("gpt2", 0)), device_mesh=mesh,
+                                              cost_model=autoparallel.CostModel("cpu"), constraints=constraints)
+    params = dict(pmodel.named_parameters())
+    assert tuple(params["transformer.h.1.mlp.c_fc.weight"].placements) == (Shard(0), Shard(1))
+    assert tuple(params["transformer.h.0.mlp.c_proj.weight"].placements) == (R, Shard(0))
+    inputs = batch_for("gpt2", 0)
+    want = ref(**inputs).loss
+    want.backward()
+    with LocalTensorMode(ranks):
+        got = pmodel(**inputs).loss
+        got.backward()
+        grads = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    for value in (got.detach()._local_tensors.values() if isinstance(got, LocalTensor) else [got.detach()]):
+        torch.testing.assert_close(value, want.detach(), rtol=1e-4, atol=1e-5)
+    for name, g in grads.items():
+        for r, v in enumerate(g._local_tensors.values() if isinstance(g, LocalTensor) else [g]):
+            torch.testing.assert_close(v, ref_params[name].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {r}: {m}")
