@@ -284,3 +284,25 @@ def test_gpt2_vocab_parallel_parity_on_4_gloo_ranks():
     from test_multiprocess import _free_port
 
     mp.spawn(_gloo_worker, args=(_free_port(), 4), nprocs=4, join=True)
+
+
+def test_embedding_keeps_its_vocabulary_whole_with_scale_grad_by_freq():
+    """Frequencies counted over the masked local ids would differ from the dense ones."""
+    from test_rules import _captured
+    from torch.distributed.tensor import Shard
+
+    from autoparallel.strategies import StrategyGenerator
+
+    _, traced = _captured(lambda w, i: F.embedding(i, w, scale_grad_by_freq=True), ((32, 16), _int(32, 4, 8)))
+    strategies = StrategyGenerator((4,)).generate(traced.gm)
+    node = next(n for n in strategies if n.target == torch.ops.aten.embedding.default)
+    assert strategies[node] and not [s for s in strategies[node] if s.inputs[0] == (Shard(0),)]
+
+
+def test_a_class_weight_that_requires_a_gradient_is_refused():
+    from autoparallel.runtime_kernels import vocab_parallel_cross_entropy
+
+    x, t, w = torch.randn(4, 8, requires_grad=True), torch.randint(0, 8, (4,)), torch.rand(8, requires_grad=True)
+    lse = torch.logsumexp(x.detach(), 1)
+    with pytest.raises(ValueError, match="class weight requires a gradient"):
+        vocab_parallel_cross_entropy(x, t, w, lse, torch.tensor([0]), 8)
