@@ -245,11 +245,12 @@ def run_mixed_parity(name, mesh_shape, policy, sim_mesh, steps=2):
 @pytest.mark.parametrize("mesh_shape", [(2,), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_mlp_parity_under_bf16_policy(sim_mesh, mesh_shape):
     pmodel = run_mixed_parity("mlp", mesh_shape, BF16_REDUCE, sim_mesh)
-    with LocalTensorMode(frozenset(range(pmodel.device_mesh.size()))), torch.no_grad():
-        pmodel.eval()  # another mode: captured again under the same policy
-        pmodel(**batch_for("mlp", 5))
-        assert {p.mp_policy for p in pmodel.plans.values()} == {BF16_REDUCE} and len(pmodel.plans) == 2
-        assert all("dtype = torch.bfloat16" in gm.code for gm in pmodel.graph_modules.values())
+    if mesh_shape == (2, 2):  # (the slow tier) another mode, captured again under the same policy
+        with LocalTensorMode(frozenset(range(pmodel.device_mesh.size()))), torch.no_grad():
+            pmodel.eval()
+            pmodel(**batch_for("mlp", 5))
+            assert {p.mp_policy for p in pmodel.plans.values()} == {BF16_REDUCE} and len(pmodel.plans) == 2
+            assert all("dtype = torch.bfloat16" in gm.code for gm in pmodel.graph_modules.values())
     code = pmodel.graph_module.code
     assert "dtype = torch.bfloat16" in code
     if "reduce_grads_in_bucket" in code:  # replicated parameters: their buckets are reduced in bf16
