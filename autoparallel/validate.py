@@ -307,7 +307,8 @@ def _apply_move(spec: Spec, shape, is_float: bool, m: Move, ms, where: str) -> S
             raise bad("the axis must be replicated and the tensor floating point")
         return spec[:a] + (P,) + spec[a + 1:]
     raise bad("the dims do not fit this move (a target dim must exist, differ from the source, be split on "
-              "earlier axes only and divide evenly)")
+              "earlier axes only and be cut validly: evenly, or unevenly by this axis alone and never by an "
+              "all-to-all)")
 
 
 def _shard(d: int | None):
