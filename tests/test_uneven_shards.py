@@ -189,3 +189,33 @@ def test_mlp_parameters_split_unevenly(mesh_shape, hidden, sim_mesh):
     placements = pmodel.plan.param_placements
     assert any(Shard(0) in placements[n] for n in ("up.weight", "up.bias")), \
         f"the hidden dim should be split: {placements}"
+
+
+def test_uneven_plan_round_trips_and_validates():
+    """A plan with uneven splits survives JSON and plan validation; the same plan with the
+    uneven dim split over both mesh axes (no device layout) is refused."""
+    import json
+
+    import autoparallel
+    from autoparallel.errors import PlanMismatchError
+    from autoparallel.plan import Plan
+    from autoparallel.tracer import ColoTracer
+    from autoparallel.validate import validate_plan
+    from models import ShardParams
+
+    model = _MLP(251)
+    inputs = {"x": torch.empty(4, 24, device="meta"), "y": torch.empty(4, 24, device="meta")}
+    traced = ColoTracer().trace(model, inputs)
+    plan = autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2, 2)), cost_model=ShardParams("cpu"),
+                                         strict=False, solver="cbc", time_limit=30, parallelism="auto",
+                                         share_layers=True, cache_dir=False)
+    spec = plan.param_placements["up.weight"]
+    assert uneven_dims((251, 24), spec, (2, 2)) == (0,), spec
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    validate_plan(again, traced)
+    d = json.loads(plan.to_json())
+    d["param_placements"]["up.weight"] = ["S0", "S0"]
+    next(n for n in d["nodes"] if n["name"] == "up_weight")["output_specs"] = [["S0", "S0"]]
+    with pytest.raises(PlanMismatchError, match="uneven over several mesh axes"):
+        validate_plan(Plan.from_json(json.dumps(d)), traced)
