@@ -7,6 +7,7 @@ import contextvars
 import copy
 import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -35,17 +36,19 @@ from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
 from .passes.overlap import overlap_collectives
+from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
-from .placement import R, Spec, spec_str, spec_to_json
+from .placement import R, Shard, Spec, spec_str, spec_to_json
 from .plan import Plan
 from .profile import profile_mesh
 from .solver import CostModel
-from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, parse_bytes
+from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, device_capacity, preset_capacity, resolve_budget
 from .solver.planner import Planner, written_back_outputs
 from .strategies import StrategyGenerator
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
 from .tracer.autocast import ambient_autocast
+from .tracer.annotate import node_info
 from .validate import check_planning_arguments, validate_plan
 
 log = logging.getLogger("autoparallel")
@@ -129,7 +132,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     ``constraints``: as :func:`plan` takes them (:mod:`autoparallel.constraints`)."""
     cost_model = cost_model or CostModel()
     user_pins = resolve_constraints(constraints, traced, mesh) if constraints else []
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    budget = resolve_budget(memory_budget, lambda: preset_capacity(cost_model.device))
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
                "replicate_buffers": replicate_buffers, "outputs": outputs,
@@ -160,10 +163,12 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     for node in strategies:
         if node.op == "get_attr" and node.target in written:
             strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
-    if parallelism == "data":  # (checked by check_planning_arguments: "auto" or "data")
+    if parallelism == "data":  # (checked by check_planning_arguments: "auto", "data" or "fsdp")
         for node in strategies:
             if node.op == "get_attr":
                 strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
+    if parallelism == "fsdp":
+        _fsdp(strategies, repl)
     if pinned is not None:
         _pin(strategies, traced, pinned, mesh.ndim)
     restrict_strategies(strategies, gen.aliases, user_pins, mesh.axis_names)
@@ -198,6 +203,34 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
         plan.solver_stats["placement_constraints"] = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
     cache.store(folder, key, plan)
     return plan
+
+
+def _policy_cast(param: fx.Node) -> fx.Node | None:
+    """The ``_to_copy`` a mixed-precision policy reads parameter ``param`` through (its only
+    user, :mod:`autoparallel.tracer.casts`), or ``None``."""
+    users = list(param.users)
+    return users[0] if len(users) == 1 and users[0].target is torch.ops.aten._to_copy.default else None
+
+
+def _fsdp(strategies, repl: Spec) -> None:
+    """``parallelism="fsdp"``: every trainable parameter kept sharded along every mesh axis
+    (where a strategy of it does so) and used whole: its consumers take it replicated, so the
+    plan all-gathers it before use and reduce-scatters its gradient (ZeRO-3, Rajbhandari et
+    al. 2020, §5; PyTorch FSDP)."""
+    params = set()
+    for node, ss in strategies.items():
+        if node.op == "get_attr" and node_info(node).requires_grad:
+            params.add(node)
+            split = [s for s in ss if all(isinstance(p, Shard) for p in s.outputs[0])]
+            strategies[node] = split or ss
+    # under a mixed-precision policy a parameter is read through its cast (tracer/casts.py): the
+    # cast runs on the shard and its consumers gather the half-precision copy, as FSDP2 does
+    params = {_policy_cast(p) or p for p in params}
+    for node, ss in strategies.items():
+        pos = [j for j, (_, x) in enumerate(tensor_inputs(node)) if x in params] if node.op == "call_function" else []
+        whole = [s for s in ss if all(s.inputs[j] == repl for j in pos)]
+        if pos and whole:
+            strategies[node] = whole
 
 
 def _pin(strategies, traced, pinned: dict[str, Spec], mesh_ndim: int) -> None:
@@ -245,16 +278,22 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
         strict: error on ops without a sharding rule instead of replicating them.
         solver: ``"cbc"`` or ``"highs"``.
         time_limit: seconds for the ILP solver.
-        parallelism: ``"auto"`` (search everything) or ``"data"`` (parameters replicated:
-            prices plain data parallelism under the same cost model).
+        parallelism: ``"auto"`` (search everything), ``"data"`` (parameters replicated:
+            prices plain data parallelism under the same cost model) or ``"fsdp"`` (parameters
+            sharded along every mesh axis and all-gathered for use: fully sharded data
+            parallelism).
         share_layers: one set of ILP variables for identical repeated layers (``share_blocks``
             is its deprecated name).
         cache_dir: plan cache folder; ``None`` for the default (``AUTOPARALLEL_CACHE_DIR``
             or ``~/.cache/autoparallel``), ``False`` for no cache (see :mod:`autoparallel.cache`).
         memory_budget: peak bytes per device the training step may use (an int, or a
-            string such as ``"12GiB"``); ``None`` for no limit. The peak is modelled by
+            string such as ``"12GiB"``); ``None`` (default) for the device's memory less a
+            10 % reserve (``cost_model``'s preset capacity: 80 GiB for a100 and h100, this
+            host's memory for cpu; :func:`autoparallelize` reads the real device's);
+            ``"unlimited"`` for no limit. The peak is modelled by
             :mod:`autoparallel.solver.memory` (parameters, gradients, optimizer states,
-            saved activations and temporaries with their liveness).
+            saved activations, gathered weights, temporaries and runtime buffers with their
+            liveness); when sharding alone does not fit, activations are recomputed.
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``:
             how many state tensors per parameter the memory model counts.
         device: device type the module will run on; selects the kernels whose saved
@@ -268,11 +307,6 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             ``.full_tensor()`` gathers it on demand) while a 0-d loss comes back whole;
             ``"replicated"``: every output whole on every device. The plan prices exactly
             this (docs/design.md, "Outputs").
-        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: every
-            dtype the model's own, as today): the graph is captured and priced with parameters
-            cast to ``param_dtype`` in the forward (fp32 master parameters, gradients and
-            optimizer states), gradients reduced in ``reduce_dtype``; recorded in
-            ``plan.mp_policy`` (:mod:`autoparallel.precision`; docs/design.md, "Mixed precision").
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``None``: every
             dtype the model's own, as today): the graph is captured and priced with parameters
             cast to ``param_dtype`` in the forward (fp32 master parameters, gradients and
@@ -368,6 +402,17 @@ def coverage(model: nn.Module, meta_inputs, *, stamp_layers: bool = True) -> Cov
     return coverage_of(ColoTracer(stamp=stamp_layers).trace(model, meta_inputs).gm)
 
 
+def _device_budget(memory_budget, device_mesh):
+    """``memory_budget`` as given, or for ``None`` the bytes of this rank's device less the
+    reserve (:func:`~autoparallel.solver.memory.resolve_budget`): free GPU memory, or on CPUs
+    the host's memory shared by its ranks (``LOCAL_WORLD_SIZE`` as torchrun sets it; every rank
+    when they are simulated in this process)."""
+    if memory_budget is not None:
+        return memory_budget
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (dist.get_world_size() if _is_simulated() else 1)
+    return resolve_budget(None, lambda: device_capacity(device_mesh.device_type, ranks))
+
+
 def _is_simulated() -> bool:
     return dist.get_backend() == "fake"
 
@@ -403,15 +448,16 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
         parallelism: ``"auto"`` or ``"data"`` (see :func:`plan`).
         mesh_spec: alpha/beta per mesh axis (default: the profile's, see ``cost_model``, or
             :class:`MeshSpec` defaults).
-        share_layers / cache_dir / memory_budget / optimizer / stamp_layers: see :func:`plan`.
+        share_layers / cache_dir / optimizer / stamp_layers: see :func:`plan`.
+        memory_budget: see :func:`plan`; ``None`` (default) is the memory of this rank's
+            device less a 10 % reserve: the free memory of a GPU
+            (``torch.cuda.mem_get_info``), or on CPUs the host's memory divided among the
+            ranks on it (``LOCAL_WORLD_SIZE``, or every rank when they are simulated).
         outputs: ``"sharded"`` (default) returns outputs the plan keeps split as DTensors
             (``out.logits.full_tensor()`` for the whole value; a loss is a plain tensor),
             ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
             plan's own ``plan.outputs`` applies.
         constraints: placements to keep, ``{pattern: placements}`` (see :func:`plan`).
-        mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
-            model's dtype (fp32 master weights for the optimizer), its forward casts them to
-            ``param_dtype``; ignored when ``plan`` is given (its own policy applies).
         mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
             model's dtype (fp32 master weights for the optimizer), its forward casts them to
             ``param_dtype``; ignored when ``plan`` is given (its own policy applies).
@@ -457,7 +503,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     mesh, cost_model = _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir)
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                    parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
-                   memory_budget=memory_budget, optimizer=optimizer, device=device_mesh.device_type,
+                   memory_budget=_device_budget(memory_budget, device_mesh), optimizer=optimizer,
+                   device=device_mesh.device_type,
                    replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs,
                    constraints=constraints,
                    mp_policy=plan.mp_policy if plan is not None else precision.check_policy(mp_policy))

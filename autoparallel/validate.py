@@ -50,7 +50,7 @@ from .placement import P, R, Spec, is_valid, local_shape, shard_axes, spec_probl
 from .plan import OUTPUTS, Move, Plan, returned_spec
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
-from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, parse_bytes
+from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
 from .graph import output_leaves, tensor_inputs
 from .solver.planner import aliased_edges, op_name, written_back_outputs
 from .solver.remat import chain_stages
@@ -348,8 +348,8 @@ def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", tim
         raise TypeError(f"time_limit must be a number of seconds, not {time_limit!r}")
     if not (math.isfinite(time_limit) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive, finite number of seconds, not {time_limit!r}")
-    if parallelism not in ("auto", "data"):
-        raise ValueError(f"parallelism must be 'auto' or 'data', not {parallelism!r}")
+    if parallelism not in ("auto", "data", "fsdp"):
+        raise ValueError(f"parallelism must be 'auto', 'data' or 'fsdp', not {parallelism!r}")
     if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir must be a folder (str or path), None for the default or False for no cache, "
                         f"not {cache_dir!r}")
@@ -359,7 +359,7 @@ def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", tim
                             f"{memory_budget!r}")
         if isinstance(memory_budget, numbers.Real) and not math.isfinite(memory_budget):
             raise ValueError(f"memory_budget must be a finite number of bytes, not {memory_budget!r}")
-        parse_bytes(memory_budget)
+        resolve_budget(memory_budget, lambda: 0)
     if optimizer not in OPTIMIZER_STATES:
         choices = ", ".join(map(repr, sorted(OPTIMIZER_STATES)))
         raise ValueError(f"optimizer must be one of {choices}, not {optimizer!r}")

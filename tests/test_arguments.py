@@ -57,7 +57,7 @@ def test_meshspec_accepts_int_numpy_and_torch_sizes():
     ({"mesh_shape": 2, "solver": "gurobi"}, ValueError, "solver must be one of 'cbc', 'highs', not 'gurobi'"),
     ({"mesh_shape": 2, "time_limit": 0}, ValueError, "time_limit must be a positive, finite number of seconds, not 0"),
     ({"mesh_shape": 2, "time_limit": "60"}, TypeError, "time_limit must be a number of seconds, not '60'"),
-    ({"mesh_shape": 2, "parallelism": "tensor"}, ValueError, "parallelism must be 'auto' or 'data', not 'tensor'"),
+    ({"mesh_shape": 2, "parallelism": "tensor"}, ValueError, "parallelism must be 'auto', 'data' or 'fsdp', not 'tensor'"),
     ({"mesh_shape": 2, "strict": "yes"}, TypeError, "strict must be True or False, not 'yes'"),
     ({"mesh_shape": 2, "share_layers": None}, TypeError, "share_layers must be True or False"),
     ({"mesh_shape": 2, "stamp_layers": 1}, TypeError, "stamp_layers must be True or False"),

@@ -17,7 +17,11 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
   free them), under the spec in which the saver sees them (a redistributed input, e.g. an
   all-gathered activation, is saved as redistributed);
 * tensors an op saves that are not graph values (LayerNorm's mean and rstd, SDPA's
-  logsumexp, dropout masks), with the saver, scaled like its first output;
+  logsumexp, dropout masks, cross-entropy's log-softmax), with the saver, once per storage
+  (an op whose parts save one tensor twice holds it once), split like the input or output
+  they are derived from (same shape, reduced dims, or leading dims); a floating one also
+  has a gradient of its size at the saver's backward step (cross-entropy's backward holds the
+  gradients of the log-probabilities and of the logits at once);
 * activation gradients, from the backward of the value's last consumer to the backward
   of its producer, under the value's spec;
 * the values the module returns (kind ``outputs``), through the whole backward (the caller
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,7 +54,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..placement import Spec, local_shape
+from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
@@ -62,7 +67,7 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 DEFAULT_OPTIMIZER = "adamw"
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "outputs")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered", "temporaries", "outputs", "buffers")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -88,6 +93,52 @@ def parse_bytes(budget: int | float | str) -> int:
     return int(value)
 
 
+RESERVE_FRACTION = 0.1
+"""Share of a device's memory the default budget leaves out: the caching allocator's
+fragmentation, communication buffers (NCCL's), kernel workspaces and whatever the model does
+not capture, none of which the memory model counts."""
+
+
+def host_memory() -> int:
+    """Physical memory of this machine in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def preset_capacity(device) -> int:
+    """Bytes of memory of one device of a cost model's preset (``DevicePreset.memory``; for
+    the ``cpu`` preset, this host's physical memory)."""
+    return host_memory() if device.name == "cpu" else int(device.memory)
+
+
+def device_capacity(device_type: str, ranks_on_host: int = 1) -> int:
+    """Bytes of memory a training step may use on the device this process runs on: on a GPU,
+    the free memory (``torch.cuda.mem_get_info``: what the CUDA context and other processes
+    leave); on a CPU, this host's physical memory divided by ``ranks_on_host``, the ranks
+    sharing it (the choice made for CPU meshes: ranks on one host share its memory evenly)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    return host_memory() // max(1, ranks_on_host)
+
+
+def resolve_budget(memory_budget: int | float | str | None, capacity: Callable[[], int]) -> int | None:
+    """The budget in bytes per device that planning enforces, or ``None`` for none.
+
+    Args:
+        memory_budget: bytes (an int, or a string such as ``"12GiB"``: :func:`parse_bytes`);
+            ``"unlimited"`` for no budget; ``None`` for the default: ``capacity()`` less
+            :data:`RESERVE_FRACTION`.
+        capacity: the device's memory in bytes (:func:`preset_capacity`, :func:`device_capacity`).
+
+    Raises:
+        ValueError: an unreadable string or a non-positive budget.
+    """
+    if memory_budget is None:
+        return int(capacity() * (1 - RESERVE_FRACTION))
+    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "unlimited":
+        return None
+    return parse_bytes(memory_budget)
+
+
 def _local_bytes(shape, dtype: torch.dtype, spec: Spec, mesh_shape) -> int:
     return math.prod(local_shape(shape, spec, mesh_shape)) * dtype.itemsize
 
@@ -95,7 +146,14 @@ def _local_bytes(shape, dtype: torch.dtype, spec: Spec, mesh_shape) -> int:
 @dataclass
 class Item:
     """One tensor of the step: live on steps ``start..end`` (inclusive), of kind ``kind``,
-    sized by ``size(strategy of owner)`` in bytes per device."""
+    sized by ``size(strategy of owner)`` in bytes per device.
+
+    With ``param`` set, a parameter that ``owner`` uses as its input ``input_pos`` (an
+    all-gathered weight autograd keeps, or its gradient): it exists only when the owner's
+    input spec is not a local slice of the parameter's (:func:`is_copy`), so its exact size
+    depends on two strategies (:meth:`bytes`); the ILP rows take the lower bound
+    ``size(owner) - bytes of the parameter`` (:meth:`linear`), exact for FSDP's gather up to
+    the shard itself, and 0 or less when the owner reads the parameter as held."""
 
     kind: str
     owner: fx.Node
@@ -104,6 +162,29 @@ class Item:
     size: Callable[[Strategy], int]
     forward_value: bool = False  # a forward output living until its last forward use
     value: fx.Node | None = None  # for a saved activation, the node whose output it is
+    param: fx.Node | None = None
+    input_pos: int = 0
+
+    def bytes(self, choice: dict[fx.Node, Strategy]) -> int:
+        """Bytes per device under ``choice`` (node → strategy)."""
+        s = choice[self.owner]
+        if self.param is not None and not is_copy(choice[self.param].outputs[0], s.inputs[self.input_pos]):
+            return 0
+        return self.size(s)
+
+    def linear(self, param_bytes) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
+        """``(node, size function)`` terms whose sum is the item's size for the ILP, each
+        linear in one node's strategy (``param_bytes``: a parameter node → its size function)."""
+        if self.param is None:
+            return [(self.owner, self.size)]
+        held = param_bytes(self.param)
+        return [(self.owner, self.size), (self.param, lambda s: -held(s))]
+
+
+def is_copy(held: Spec, seen: Spec) -> bool:
+    """Whether a tensor held in ``held`` reaches a consumer taking it in ``seen`` as a new
+    tensor (a collective's result), not as a local slice of the one held (a view)."""
+    return any(a != b and a != R for a, b in zip(held, seen))
 
 
 @dataclass
@@ -126,12 +207,34 @@ class Saved:
     """A tensor ``saver`` keeps for its backward: the graph value ``value`` (the
     ``(node, output)`` that owns its storage) seen as the saver's input ``input_pos``
     (``None``: not through an input), or, when ``value`` is None, an op-internal tensor
-    of ``nbytes`` global bytes."""
+    of ``nbytes`` global bytes and global shape ``shape`` (``floating``: of a floating dtype)."""
 
     saver: fx.Node
     value: tuple[fx.Node, int] | None
     input_pos: int | None
     nbytes: int
+    shape: tuple[int, ...] = ()
+    floating: bool = False
+
+
+def _aligned_operand(shape: tuple[int, ...], operands: list[tuple]) -> int | None:
+    """The first operand (index into ``operands``, global shapes) that a saved tensor of
+    ``shape`` is derived from, with the operand dim each of its dims follows: an operand of the
+    same shape; else one of the same rank whose dims ``shape`` keeps or reduces to 1; else one
+    whose leading dims are ``shape``. Dim ``i`` of the tensor follows dim ``i`` of the operand
+    where their sizes agree. ``None`` for a 0-d tensor or when none fits."""
+    if not shape:
+        return None
+    for k, op in enumerate(operands):
+        if tuple(op) == shape:
+            return k
+    for k, op in enumerate(operands):
+        if len(op) == len(shape) and all(a in (b, 1) for a, b in zip(shape, op)):
+            return k
+    for k, op in enumerate(operands):
+        if len(op) > len(shape) and tuple(op[:len(shape)]) == shape:
+            return k
+    return None
 
 
 def storage_owner(node: fx.Node, aliases) -> tuple[fx.Node, int]:
@@ -149,10 +252,11 @@ def storage_owner(node: fx.Node, aliases) -> tuple[fx.Node, int]:
         node = src
 
 
-def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list[tuple[str, int, int]]:
+def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list[tuple[str, int, int, tuple]]:
     """What ``node``'s op saves for backward, from running it alone on FakeTensors of
-    ``device``: ``("input", j, 0)``, ``("output", i, 0)`` or ``("internal", -1, bytes)``.
-    Memoized per (op, input shapes, dtypes and grad flags, other arguments)."""
+    ``device``, one entry per distinct storage: ``("input", j, 0, (), False)``, ``("output", i, 0,
+    (), False)`` or ``("internal", -1, storage bytes, shape, floating point)``. Memoized per (op, input shapes, dtypes and
+    grad flags, other arguments)."""
     ins = tensor_inputs(node)
     grads = [node_info(x).requires_grad and x.meta["val"].dtype.is_floating_point for _, x in ins]
     if not any(grads):
@@ -190,19 +294,22 @@ def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list
     except Exception as e:  # an op that cannot run alone on FakeTensors: assume it saves its inputs
         log.debug("memory model: %s does not run on FakeTensors (%s); counting its inputs as saved",
                   node.target, e)
-        memo[key] = [("input", j, 0) for j, g in enumerate(grads) if g]
+        memo[key] = [("input", j, 0, (), False) for j, g in enumerate(grads) if g]
         return memo[key]
     in_st = [fakes[li].untyped_storage()._cdata for li, _ in ins]
     out_st = [t.untyped_storage()._cdata for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    result = []
+    result, seen = [], set()
     for t in saved:
         st = t.untyped_storage()._cdata
+        if st in seen:  # one storage saved twice (log_softmax's result by log_softmax and nll_loss)
+            continue
+        seen.add(st)
         if st in in_st:
-            result.append(("input", in_st.index(st), 0))
+            result.append(("input", in_st.index(st), 0, (), False))
         elif st in out_st:
-            result.append(("output", out_st.index(st), 0))
+            result.append(("output", out_st.index(st), 0, (), False))
         else:
-            result.append(("internal", -1, t.numel() * t.element_size()))
+            result.append(("internal", -1, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype.is_floating_point))
     memo[key] = result
     return result
 
@@ -222,14 +329,14 @@ def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: s
         if node.op != "call_function" or node in aliases or not node_info(node).outputs:
             continue  # a node without tensor outputs (.item()) has no backward: it saves nothing
         ins = tensor_inputs(node)
-        for kind, j, nbytes in _saved_by_op(node, device, traced_on, memo):
+        for kind, j, nbytes, shape, floating in _saved_by_op(node, device, traced_on, memo):
             if kind == "input":
                 records.append(Saved(node, storage_owner(ins[j][1], aliases), j, 0))
             elif kind == "output":
                 owner = storage_owner(node, aliases) if j == 0 else (node, j)
                 records.append(Saved(node, owner, None, 0))
             else:
-                records.append(Saved(node, None, None, nbytes))
+                records.append(Saved(node, None, None, nbytes, shape, floating))
     return records
 
 
@@ -284,6 +391,9 @@ class MemoryModel:
                 items.append(Item(kind, u, 0, back, size))
                 if info.requires_grad:
                     items.append(Item("gradients", u, back - end, back, size))
+                    first = min((step[c] for c in u.users if c in step), default=None)
+                    if first is not None:
+                        items.append(Item("buffers", u, back - first, back - first, self._bucket_size(size)))
                     k = OPTIMIZER_STATES[optimizer]
                     if k:
                         items.append(Item("optimizer", u, 0, back, lambda s, f=size, k=k: k * f(s)))
@@ -300,10 +410,15 @@ class MemoryModel:
             n = rec.saver
             start, end = step[n], back - step[n]
             if rec.value is None:
-                items.append(Item("activations", n, start, end, self._internal_size(n, rec.nbytes)))
+                size = self._internal_size(n, rec.nbytes, rec.shape)
+                items.append(Item("activations", n, start, end, size))
+                if rec.floating and node_info(n).requires_grad:  # its gradient, inside the op's backward
+                    items.append(Item("temporaries", n, end, end, size))
                 continue
             u, i = rec.value
-            if u.op == "get_attr":  # counted as a parameter
+            if u.op == "get_attr":  # the parameter itself; its gathered copy when the saver sees one
+                if rec.input_pos is not None and tensor_inputs(n)[rec.input_pos][1] is u:
+                    items += self._gathered_items(n, u, rec.input_pos, start, end)
                 continue
             if rec.input_pos is not None:
                 x = tensor_inputs(n)[rec.input_pos][1]
@@ -316,6 +431,32 @@ class MemoryModel:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
         items += self._returned_items(gm, aliases, outputs, whole_outputs)
         self.items = items
+
+    def _bucket_size(self, size: Callable[[Strategy], int]) -> Callable[[Strategy], int]:
+        """Bytes the gradient all-reduce of a parameter replicated along a mesh axis allocates
+        when its bucket launches (:mod:`autoparallel.runtime_kernels.grad_reduction`): the flat
+        buffer its gradients are copied into and the all-reduce's result, each the size of the
+        gradient (which the result then holds: the ``gradients`` item)."""
+        def bucket(s):
+            replicated = any(p == R and n > 1 for p, n in zip(s.outputs[0], self.mesh_shape))
+            return 2 * size(s) if replicated else 0
+
+        return bucket
+
+    def _gathered_items(self, saver: fx.Node, param: fx.Node, j: int, start: int, end: int) -> list[Item]:
+        """A parameter that ``saver`` takes as input ``j`` in a layout the parameter is not held
+        in (FSDP's all-gathered weight): autograd keeps that copy from the saver's forward to
+        its backward (kind ``gathered``), and the saver's backward makes its gradient in that
+        layout before it is reduced to the parameter's (one step, kind ``gathered``)."""
+        shape, dtype = node_info(param).outputs[0]
+
+        def size(s):
+            return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
+
+        items = [Item("gathered", saver, start, end, size, param=param, input_pos=j)]
+        if node_info(param).requires_grad:
+            items.append(Item("gathered", saver, end, end, size, param=param, input_pos=j))
+        return items
 
     def _returned_items(self, gm: fx.GraphModule, aliases, outputs: str, whole: frozenset[int]) -> list[Item]:
         """The returned values, from the first backward step to the end, at returned size."""
@@ -331,19 +472,30 @@ class MemoryModel:
             items.append(Item("outputs", u, len(self.nodes), self.steps - 1, size))
         return items
 
-    def _internal_size(self, node: fx.Node, nbytes: int) -> Callable[[Strategy], int]:
-        outs = node_info(node).outputs
-        if not outs:
+    def _internal_size(self, node: fx.Node, nbytes: int, shape: tuple[int, ...]) -> Callable[[Strategy], int]:
+        """Per-device bytes of a tensor of global ``shape`` (``nbytes`` bytes) that ``node``
+        saves and that is none of its inputs or outputs: split as the operand it is derived
+        from (:func:`_aligned_operand`): LayerNorm's mean and rstd as its input, SDPA's
+        logsumexp as the query, cross-entropy's log-softmax as the logits."""
+        operands = [(node_info(x).outputs[0][0], "inputs", j) for j, (_, x) in enumerate(tensor_inputs(node))]
+        operands += [(sh, "outputs", i) for i, (sh, _) in enumerate(node_info(node).outputs)]
+        found = _aligned_operand(shape, [sh for sh, _, _ in operands])
+        if found is None:  # not derived from one operand: a scalar or a workspace, kept whole
             return lambda s: nbytes
-        shape, dtype = outs[0]
+        op_shape, side, j = operands[found]
         whole = max(1, math.prod(shape))
-        return lambda s: nbytes * math.prod(local_shape(shape, s.outputs[0], self.mesh_shape)) // whole
+
+        def size(s):
+            local = local_shape(op_shape, getattr(s, side)[j], self.mesh_shape)
+            return nbytes * math.prod(loc if n == op_n else n for n, op_n, loc in zip(shape, op_shape, local)) // whole
+
+        return size
 
     def timeline(self, choice: dict[fx.Node, Strategy]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Bytes live at every step under ``choice`` (node → strategy), in total and by kind."""
         by_kind = {k: np.zeros(self.steps + 1, dtype=np.int64) for k in KINDS}
         for it in self.items:
-            b = it.size(choice[it.owner])
+            b = it.bytes(choice)
             arr = by_kind[it.kind]
             arr[it.start] += b
             arr[it.end + 1] -= b
@@ -356,7 +508,25 @@ class MemoryModel:
         t = int(np.argmax(total))
         return MemoryEstimate(int(total[t]), t, self.steps, {k: int(v[t]) for k, v in by_kind.items()})
 
+    def dominant(self, choice: dict[fx.Node, Strategy], top: int = 3) -> str:
+        """What dominates the peak under ``choice``, for error messages: the largest kind at the
+        peak step and the ``top`` largest tensors live there (node, kind, GiB)."""
+        est = self.estimate(choice)
+        t = est.peak_step
+        kind, kb = max(est.breakdown.items(), key=lambda kv: kv[1])
+        live = sorted(((it.bytes(choice), it.owner.name, it.kind) for it in self.items if it.start <= t <= it.end),
+                      key=lambda x: -x[0])[:top]
+        step = f"forward of {self.nodes[t].name}" if t < len(self.nodes) else f"backward of {self.nodes[self.steps - 1 - t].name}"
+        gib = 2 ** 30
+        return (f"its peak ({est.peak_bytes / gib:.3g} GiB, at the {step}) is mostly {kind} ({kb / gib:.3g} GiB); "
+                f"largest tensors: " + ", ".join(f"{name} ({k}, {b / gib:.3g} GiB)" for b, name, k in live))
+
     def row(self, t: int) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
-        """The items live at step ``t``: ``(owner, size function)``: memory at ``t`` is
-        their sum, linear in the owners' strategy choice."""
-        return [(it.owner, it.size) for it in self.items if it.start <= t <= it.end]
+        """The memory at step ``t`` as ``(node, size function)`` terms, each linear in one
+        node's strategy choice: the items live at ``t`` (:meth:`Item.linear`; a lower bound
+        of :meth:`timeline`'s value where a gathered parameter is live)."""
+        return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._param_bytes)]
+
+    def _param_bytes(self, param: fx.Node) -> Callable[[Strategy], int]:
+        shape, dtype = node_info(param).outputs[0]
+        return lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape)

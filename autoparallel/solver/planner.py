@@ -399,12 +399,12 @@ class Planner:
                 ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
-              checkpointing: bool = True, max_rounds: int = 10) -> Plan:
+              checkpointing: bool = True, max_rounds: int = 12) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
 
-        Stage 1: the budget enters the sharding ILP as one row per step of the training
-        step, added lazily: solve, find the step where the plan's memory peaks, add that
-        step's row if it is over budget, solve again (at most ``max_rounds`` times). When no
+        Stage 1: the fastest plan; when its modelled peak is over budget, the memory at the
+        steps where plans peak is priced into the objective (Lagrangian relaxation, at most
+        ``max_rounds`` solves: :meth:`_stage1`) until the fastest fitting plan is found. When no
         sharding alone fits and ``checkpointing`` is on, stage 2 (:mod:`.remat`) picks
         activations to recompute on the plan of stage 1, re-solving stage 1 with a tighter
         allowance a bounded number of times until the recomputation schedule fits.
@@ -455,34 +455,81 @@ class Planner:
 
     def _stage1(self, built: GroupedProblem, budget: int | None, *, solver: str, time_limit: float,
                 max_rounds: int):
-        """``(choice, solution, rounds)`` of the fastest plan within ``budget`` bytes, or
-        ``None`` when there is none or the memory rows added cannot find it (see :meth:`solve`)."""
+        """``(choice, solution, solves)`` of the fastest plan found within ``budget`` bytes, or
+        ``None`` when none is found (see :meth:`solve`).
+
+        The fastest plan first; when its modelled peak is over ``budget``, Lagrangian
+        relaxation of the memory rows (Fisher, "The Lagrangian relaxation method for solving
+        integer programming problems", Management Science 1981, §2): the bytes held at the steps
+        where plans peaked are priced at ``lam`` seconds per byte in the objective, first at
+        the step time of the fastest plan per byte it is over budget, then ×4 until a plan
+        fits, then bisected (geometric mean; halved while none is known not to fit) until the
+        largest price that does not fit is within 1.2× of the smallest that does, or after
+        ``max_rounds`` solves; the fastest fitting plan (by its unpenalized seconds) wins, and
+        one as fast as the fastest plan ends the search. Each solve keeps the
+        unconstrained problem's shape (the penalty is a cost per group strategy), whose LP
+        relaxation solves integral in about a second at Llama-3-8B scale; hard memory rows
+        made CBC branch until its time limit (60 s per row added). A Lagrangian plan may be
+        slower than the optimum within the budget by the duality gap.
+        """
         problem = built.ilp
-        problem.memory_limit = budget
-        rows_at: list[int] = []
-        for rounds in range(1, max_rounds + 1):
+        sol = solve(problem, solver=solver, time_limit=time_limit)
+        choice = self._decode(built, sol)
+        if budget is None or self.memory is None:
+            return choice, sol, 1
+        est = self.memory.estimate(choice)
+        if est.peak_bytes <= budget:
+            return choice, sol, 1
+        base = problem.node_costs
+        rows = {est.peak_step: self._memory_row(est.peak_step, built)}
+        problem.memory_rows = list(rows.values())  # for the min-peak solve and solver_stats
+        # first price: giving up the whole step time saves the excess over the budget
+        lo, hi, lam, best = 0.0, None, max(sol.objective, 1e-9) / (est.peak_bytes - budget), None
+        last, fastest = sol.choice, sol.objective
+        for rounds in range(2, max_rounds + 1):
+            problem.node_costs = [[c + lam * sum(r[g][k] for r in rows.values() if r[g]) for k, c in enumerate(cs)]
+                                  for g, cs in enumerate(base)]
             try:
                 sol = solve(problem, solver=solver, time_limit=time_limit)
-            except InfeasiblePlanError:
-                if not problem.memory_rows:
-                    raise
-                return None
+            finally:
+                problem.node_costs = base
+            penalty = lam * sum(r[g][k] for r in rows.values() for g, k in enumerate(sol.choice) if r[g])
+            sol.objective -= penalty
+            sol.stats["objective_s"] -= penalty
             choice = self._decode(built, sol)
-            if budget is None or self.memory is None:
-                return choice, sol, rounds
             est = self.memory.estimate(choice)
+            log.info("memory budget: solve %d at %.3g s/GiB: peak %.4g GiB, step %.4g s (%.2f s)", rounds,
+                     lam * 2**30, est.peak_bytes / 2**30, sol.objective, sol.stats["build_s"] + sol.stats["solve_s"])
             if est.peak_bytes <= budget:
-                return choice, sol, rounds
-            if est.peak_step in rows_at:  # the row is there: the linear model and the peak disagree
-                return None
-            rows_at.append(est.peak_step)
-            problem.memory_rows.append(self._memory_row(est.peak_step, built))
-        return None
+                hi = lam
+                if best is None or sol.objective < best[1].objective:
+                    best = (choice, sol, rounds)
+                if sol.objective <= fastest * (1 + 1e-9):
+                    break  # as fast as the fastest plan: the optimum
+            new_row = est.peak_bytes > budget and est.peak_step not in rows
+            if est.peak_bytes > budget:
+                lo = lam
+                if new_row:
+                    rows[est.peak_step] = self._memory_row(est.peak_step, built)
+                    problem.memory_rows = list(rows.values())
+            if hi is None and sol.choice == last and not new_row:
+                break  # a higher price no longer changes the plan: none fits
+            last = sol.choice
+            if hi is None:
+                lam *= 4
+            elif hi <= 1.2 * lo:
+                break
+            else:
+                lam = math.sqrt(lo * hi) if lo else hi / 2
+        return best
 
     def _two_stage(self, stage1, built: GroupedProblem, stages, budget):
         """Stage 2: Rotor on stage-1 plans of decreasing allowance (the fastest plan, then
-        budgets at 3/4, 1/2 and 1/4 of the way from its peak down to ``budget``); the first
-        whose recomputation schedule fits wins.
+        allowances of 3/4, 1/2 and 1/4 of the way from its peak down to ``budget`` and of 7/8,
+        3/4, ..., 1/4 of its peak, those not below ``budget``); the first whose recomputation
+        schedule fits wins. The smallest reachable peak an infeasible budget reports is over the
+        latter, which do not depend on ``budget``: planning again at that peak meets the plan
+        that reached it (its allowance is at least that peak).
 
         Returns:
             ``((choice, solution, rounds), plan, (plan.checkpoint, modelled peak bytes))``.
@@ -491,8 +538,10 @@ class Planner:
         free = stage1(None)
         top = self.memory.estimate(free[0]).peak_bytes
         reachable = []
-        for frac in (1.0, 0.75, 0.5, 0.25):
-            found = free if frac == 1.0 else stage1(int(budget + frac * (top - budget)))
+        fixed_fractions = {int(f * top) for f in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25) if f * top >= budget}
+        toward_budget = {int(budget + f * (top - budget)) for f in (0.75, 0.5, 0.25)}
+        for allowance in [None] + sorted(fixed_fractions | toward_budget, reverse=True):
+            found = free if allowance is None else stage1(allowance)
             if found is None:
                 break
             choice = found[0]
@@ -502,19 +551,27 @@ class Planner:
             try:
                 schedule = rotor_solve(chain, budget - fixed)
             except InfeasibleBudget as e:
-                reachable.append(fixed + e.min_budget)
+                try:  # the smallest peak exactly may not fit once the DP rounds sizes up to slots
+                    rotor_solve(chain, e.min_budget)
+                    need = e.min_budget
+                except InfeasibleBudget as rounded:
+                    need = rounded.min_budget
+                if allowance is None or allowance in fixed_fractions:
+                    reachable.append((fixed + need, choice))
                 continue
-            log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.0f%% of the "
-                     "way to the budget", len(schedule.regions), schedule.recompute_time, 100 * (1 - frac))
+            log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.4g GiB",
+                     len(schedule.regions), schedule.recompute_time, (allowance or top) / 2**30)
             return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
-        best = int(math.ceil(min(reachable))) if reachable else top
+        best, choice = min(reachable, key=lambda r: r[0]) if reachable else (top, free[0])
+        best = int(math.ceil(best))
         raise InfeasiblePlanError(
             f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
-            f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, "
-            "use more devices or a smaller batch")
+            f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes); without "
+            f"recomputation {self.memory.dominant(choice)}. Raise the budget, use more devices or a smaller batch")
 
     def _memory_row(self, t: int, built: GroupedProblem) -> list[list[float]]:
-        """Bytes held at step ``t``, per ILP group and group strategy."""
+        """Bytes held at step ``t``, per ILP group and group strategy (linear:
+        :meth:`~autoparallel.solver.memory.MemoryModel.row`)."""
         row: list[list[float]] = [[] for _ in range(len(built.ilp.node_costs))]
         for owner, size in self.memory.row(t):
             g = built.group_of(owner)
@@ -530,12 +587,13 @@ class Planner:
         problem.minimize_memory = True
         try:
             sol = solve(problem, solver=solver, time_limit=min(time_limit, 10.0))
-            best = self.memory.estimate(self._decode(built, sol)).peak_bytes
+            choice = self._decode(built, sol)
+            best = self.memory.estimate(choice).peak_bytes
         finally:
             problem.minimize_memory = False
         return (f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device: the smallest peak the planner "
-                f"reaches on this mesh is about {best / 2**30:.3g} GiB ({best} bytes). Raise the budget, use "
-                "more devices or a smaller batch")
+                f"reaches on this mesh is about {best / 2**30:.3g} GiB ({best} bytes); {self.memory.dominant(choice)}. "
+                "Raise the budget, use more devices or a smaller batch")
 
     def make_plan(self, choice: dict[fx.Node, Strategy], meta=None) -> Plan:
         """Build the Plan of a given strategy choice (``meta``: the edges, default all)."""

@@ -97,8 +97,8 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
     n_fwd = len(memory.nodes)
     transient: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * n_st)]  # fwd / bwd of each stage
     for it in memory.items:
-        b = it.size(choice[it.owner])
-        if it.kind == "activations":
+        b = it.bytes(choice)
+        if it.kind == "activations" or (it.kind == "gathered" and it.start < it.end):  # saved for the backward
             st = step_stage[it.start]
             if st < 0:
                 fixed += b
@@ -110,7 +110,13 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 fixed += b
             else:
                 grad[st] += b
-        elif it.kind != "temporaries" or it.owner not in stages:
+        elif it.kind == "buffers":  # one backward step: where the parameter's first user's backward runs
+            st = step_stage[2 * n_fwd - 1 - it.start]
+            if st < 0:
+                fixed += b
+            else:
+                transient[2 * st + 1].append((it.start, it.end, b))
+        elif it.kind not in ("temporaries", "gathered") or it.owner not in stages:
             fixed += b
         elif it.forward_value:
             s0, s1 = stages[it.owner], step_stage[min(it.end, n_fwd - 1)]
