@@ -43,11 +43,22 @@ def test_gpt2_graph_keeps_high_level_ops_and_annotations(device):
             assert p.device.type == "cpu" and torch.equal(p, before[name])
 
 
-def test_llama_no_grad_rotary_region_is_inlined():
-    pytest.importorskip("transformers")
-    with torch.device("meta"):
-        model = hf_model("llama")
-    traced = ColoTracer().trace(model, to_meta(batch_for("llama", 0)))
+class _NoGradRegion(torch.nn.Module):
+    """A rotary-style table computed under ``torch.no_grad()`` (as Llama's rotary embedding was in
+    transformers releases before 5.2x), then used by a trained projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            table = torch.arange(8, dtype=x.dtype, device=x.device).cos()
+        return (self.proj(x) * table).sum()
+
+
+def test_no_grad_region_is_inlined_and_detached():
+    traced = ColoTracer().trace(_NoGradRegion(), (torch.empty(4, 8, device="meta"),))
     targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
     detached = [n for n in traced.gm.graph.nodes if n.target == aten.detach.default]
