@@ -21,6 +21,10 @@ UNEVEN_SAMPLES = {
     "pointwise_broadcast": (lambda x, y: (x * y - y, torch.where(x > 0, x, y), x.exp()), [(7, 10), (10,)]),
     "view_expand": (lambda x, y: (x.view(7, 2, 5) + y.expand(7, 2, 5), x.reshape(70), x.unsqueeze(1).squeeze(1)),
                     [(7, 10), (1, 2, 5)]),
+    "norm_slice_select": (lambda x, w: (F.layer_norm(x, (10,), w), F.rms_norm(x, (3, 10)), x[:, 1:3], x[:, :, :7],
+                                        x.select(1, 0)), [(7, 3, 10), (10,)]),
+    "split_cat_stack": (lambda x, y: (*torch.split(x, 3, dim=1), torch.cat([x, y], dim=1), torch.stack([x, x], 1),
+                                      *x.chunk(2, dim=1)), [(7, 6), (7, 2)]),
 }
 
 
@@ -66,6 +70,8 @@ UNEVEN_MOVES = {  # on a (2, 2) mesh, as test_layout_moves.CASES; 5 and 3 split 
     "reduce_scatter uneven dim 1": ((4, 5), (Shard(0), P_), ("reduce_scatter", 1, None, 1), (Shard(0), Shard(1))),
     "reduce_scatter uneven dim 0, dim 1 uneven": ((3, 5), (P_, Shard(1)), ("reduce_scatter", 0, None, 0),
                                                   (Shard(0), Shard(1))),
+    "all_gather dim 1, dim 0 uneven, joined by a copy": ((5, 4, 3), (Shard(0), Shard(1)), ("all_gather", 1, 1, None),
+                                                         (Shard(0), R_)),
     "all_gather uneven dim 0 then slice dim 1": ((5, 4), (Shard(0), R_),
                                                  [("all_gather", 0, 0, None), ("slice", 0, None, 1)], (Shard(1), R_)),
 }

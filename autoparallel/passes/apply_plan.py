@@ -271,6 +271,8 @@ class _Emitter:
         if not isinstance(x, _Pieces):
             return x
         u = self.call(aten.movedim.int, self.call(aten.unflatten.int, x.node, 0, [x.n, x.rows]), 0, x.dim)
+        if isinstance(x.rows, fx.Node):  # rows differ by device: the copy made explicit (flatten's
+            u = self.copy(u)             # own falls back to a view under LocalTensorMode and fails)
         return self.call(aten.flatten.using_ints, u, x.dim, x.dim + 1)
 
 

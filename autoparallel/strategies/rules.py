@@ -216,7 +216,7 @@ def slice_rule(node, in_shapes, out_shapes):
     labs = _labels(nd)
     if in_shapes[0][dim] != out_shapes[0][dim]:
         labs = _forbid(labs, {dim})
-    return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+    return DimMap([labs], [labs], list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=nd)
 
 
 @record(aten.select.int)
@@ -225,7 +225,7 @@ def select_rule(node, in_shapes, out_shapes):
     dim = _norm(op_args(node)["dim"], nd)
     labs = _labels(nd)
     return DimMap([_forbid(labs, {dim})], [labs[:dim] + labs[dim + 1:]], list(in_shapes), list(out_shapes),
-                  partial=[frozenset([0])])
+                  partial=[frozenset([0])], uneven=nd)
 
 
 @record(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
@@ -234,7 +234,7 @@ def split_rule(node, in_shapes, out_shapes):
     dim = _norm(op_args(node)["dim"], nd)
     labs = _forbid(_labels(nd), {dim})
     outs = [labs if len(s) == nd else labs[:dim] + labs[dim + 1:] for s in out_shapes]
-    return DimMap([labs], outs, list(in_shapes), list(out_shapes), partial=[frozenset([0])])
+    return DimMap([labs], outs, list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=nd)
 
 
 @record(aten.cat.default, aten.stack.default)
@@ -246,7 +246,8 @@ def cat_rule(node, in_shapes, out_shapes):
         ins = [labs[:dim] + labs[dim + 1:] for _ in in_shapes]
     else:
         ins = [labs if len(s) == len(out) else (None,) * len(s) for s in in_shapes]
-    return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset(range(len(in_shapes)))])
+    return DimMap(ins, [labs], list(in_shapes), list(out_shapes), partial=[frozenset(range(len(in_shapes)))],
+                  uneven=len(out))
 
 
 @record(aten.repeat_interleave.self_int)
@@ -407,7 +408,10 @@ def norm_rule(node, in_shapes, out_shapes):
     k = len(op_args(node)["normalized_shape"])
     labs = _forbid(_labels(nd), set(range(nd - k, nd)))
     ins = [labs] + [(None,) * len(s) for s in in_shapes[1:]]
-    return DimMap(ins, [labs], list(in_shapes), list(out_shapes))
+    # uneven leading dims: layer_norm only (rms_norm fails on per-rank sizes under LocalTensorMode,
+    # so its uneven splits could not be verified)
+    return DimMap(ins, [labs], list(in_shapes), list(out_shapes),
+                  uneven=nd if node.target == aten.layer_norm.default else 0)
 
 
 def local_group_norm(call: LocalCall):
