@@ -2,13 +2,15 @@
 uneven strategy checked against the dense op, the moves into and out of uneven specs on
 simulated ranks, and GPT-2 with its 50257-row vocabulary split over 4 devices."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
-from autoparallel.placement import P, R, chunk_ok, is_valid, local_shape, spec_problem, uneven_dims
+from autoparallel.placement import P, chunk_ok, is_valid, local_shape, spec_problem, uneven_dims
 from autoparallel.strategies.engine import DimMap, enumerate_strategies
 from test_rules import _check_all_strategies
 
@@ -120,8 +122,6 @@ def _vocab_split_nodes(plan, vocab):
 def _parity(ref, batches, mesh, cost_model, loss=lambda out: out.loss):
     """Train a copy of ``ref`` on ``mesh`` (simulated) beside ``ref`` on one device, an SGD step
     after each batch: the loss and every gradient agree on every rank. Returns the module."""
-    import copy
-
     from test_parity import assert_close
 
     import autoparallel
@@ -225,3 +225,62 @@ def test_uneven_plan_round_trips_and_validates():
     next(n for n in d["nodes"] if n["name"] == "up_weight")["output_specs"] = [["S0", "S0"]]
     with pytest.raises(PlanMismatchError, match="uneven over several mesh axes"):
         validate_plan(Plan.from_json(json.dumps(d)), traced)
+
+
+def _real_ranks_worker(rank: int, port: int) -> None:
+    """One of 4 gloo ranks: the MLP with hidden 250 (parameters in uneven pieces) and GPT-2 with
+    vocabulary 50257 (the logits split by vocabulary) at parity on a (4,) mesh, where the
+    device's row counts are plain ints read from its coordinate."""
+    import datetime
+    import os
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    sys.path.insert(0, os.path.dirname(__file__))
+    torch.set_num_threads(1)
+    import autoparallel
+    from models import CheapComm, ShardParams
+
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        g = torch.Generator().manual_seed(0)
+        mlp = {"x": torch.randn(4, 24, generator=g), "y": torch.randn(4, 24, generator=g)}
+        gpt = {"input_ids": torch.randint(0, 50257, (4, 8), generator=g),
+               "labels": torch.randint(0, 50257, (4, 8), generator=g)}
+        gpt["input_ids"][0, :4] = torch.tensor([0, 50256, 3 * 12565, 3 * 12565 - 1])
+        for ref, batch, cost, loss in [(_MLP(250), mlp, ShardParams("cpu"), lambda out: out),
+                                       (_gpt2_vocab_50257(), gpt, CheapComm("cpu"), lambda out: out.loss)]:
+            pmodel = autoparallel.autoparallelize(
+                copy.deepcopy(ref), {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()},
+                device_mesh=mesh, cost_model=cost, cache_dir=False)
+            want = loss(ref(**batch))
+            want.backward()
+            got = loss(pmodel(**batch))
+            got.backward()
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
+            for name, p in pmodel.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                           rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}, grad of {name}: {m}")
+            assert any(uneven_dims(n.out_shapes[0], n.output_specs[0], (4,)) for n in pmodel.plan.nodes.values()
+                       if n.out_shapes), "the plan should split a dim unevenly"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_uneven_splits_on_real_processes():
+    """The MLP and GPT-2 cases above through real c10d (gloo, 4 processes, one spawn)."""
+    pytest.importorskip("transformers")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_real_ranks_worker, args=(port,), nprocs=4, join=True)
