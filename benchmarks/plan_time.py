@@ -4,9 +4,19 @@ Rows (targets on a 2-core machine):
 
 * GPT-2 small: 12 layers, batch 8 × 1024, 2×4 mesh — < 10 s
 * GPT-2 XL: 48 layers, batch 8 × 1024, 2×4 mesh — < 30 s and ≤ 2× the 12-layer time
-* Llama-3-8B dims: 32 layers, GQA 32/8 heads, vocab 128256, batch 64 × 2048, 8×8 mesh — < 60 s
+* Llama-3-8B dims: 32 layers, GQA 32/8 heads, vocab 128256, batch 64 × 2048, 8×8 mesh — < 30 s
+* Llama-3-70B dims: 80 layers, hidden 8192, GQA 64/8 heads, intermediate 28672, vocab 128256,
+  batch 128 × 2048, 16×8 mesh — < 60 s
+* Llama-3-8B dims on a (4, 4, 4) mesh, batch 64 × 2048 — < 30 s
 
-    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b] [--solver cbc|highs]
+The Llama rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
+(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 master weights and
+optimizer states) and the default memory budget (80 GiB less the 10 % reserve); each prints the
+modelled peak and its breakdown, the fraction of parameter elements split along each mesh axis,
+and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
+
+    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-8b-3d]
+        [--solver cbc|highs] [--budget 40GiB]   # another budget for the Llama rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
 
@@ -14,7 +24,9 @@ Nothing is allocated: models are built on the meta device. The plan cache is off
 """
 
 import argparse
+import math
 import os
+import resource
 import time
 import warnings
 
@@ -25,36 +37,78 @@ import torch  # noqa: E402
 import transformers as T  # noqa: E402
 
 import autoparallel  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
 
 
 def gpt2(layers, embd, heads):
     return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=embd, n_head=heads, use_cache=False))
 
 
-def llama3_8b():
+def llama3(layers=32, hidden=4096, heads=32, intermediate=14336):
     return T.LlamaForCausalLM(T.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
         use_cache=False))
 
 
-ROWS = {
-    "gpt2-small": (lambda: gpt2(12, 768, 12), (8, 1024), (2, 4), 10.0),
-    "gpt2-xl": (lambda: gpt2(48, 1600, 25), (8, 1024), (2, 4), 30.0),
-    "llama3-8b": (llama3_8b, (64, 2048), (8, 8), 60.0),
+def llama3_8b():
+    return llama3()
+
+
+def llama3_70b():
+    return llama3(layers=80, hidden=8192, heads=64, intermediate=28672)
+
+
+ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 policy, default budget)
+    "gpt2-small": (lambda: gpt2(12, 768, 12), (8, 1024), (2, 4), 10.0, False),
+    "gpt2-xl": (lambda: gpt2(48, 1600, 25), (8, 1024), (2, 4), 30.0, False),
+    "llama3-8b": (llama3_8b, (64, 2048), (8, 8), 30.0, True),
+    "llama3-70b": (llama3_70b, (128, 2048), (16, 8), 60.0, True),
+    "llama3-8b-3d": (llama3_8b, (64, 2048), (4, 4, 4), 30.0, True),
 }
 
 
-def run(name, solver, share, stamp):
-    build, (b, s), mesh, target = ROWS[name]
+def run(name, solver, share, stamp, budget=None):
+    build, (b, s), mesh, target, llm = ROWS[name]
     with torch.device("meta"):
         model = build()
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
+    kw = {}
+    if llm:
+        kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     t0 = time.perf_counter()
     plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_shape=mesh, solver=solver,
-                             share_layers=share, cache_dir=False, time_limit=300,
-                             stamp_layers=stamp)
+                             share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp, **kw)
     return plan, time.perf_counter() - t0, target, model, (b, s), mesh
+
+
+def split_per_axis(plan) -> list[float]:
+    """Per mesh axis, the fraction of parameter elements that axis splits."""
+    total, split = 0, [0] * plan.mesh.ndim
+    for node in plan.nodes.values():
+        if node.op == "get_attr" and node.out_shapes:  # parameters and buffers
+            n = math.prod(node.out_shapes[0])
+            total += n
+            for a, p in enumerate(node.output_specs[0]):
+                split[a] += n if isinstance(p, Shard) else 0
+    return [x / max(total, 1) for x in split]
+
+
+def memory_lines(plan) -> str:
+    gib = 2 ** 30
+    m = plan.estimate["memory"]
+    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m["breakdown"].items() if v)
+    budget = plan.estimate.get("memory_budget_bytes")
+    ck = plan.checkpoint
+    return (f"  memory: modelled peak {plan.estimate['peak_memory_bytes'] / gib:.2f} GiB per device, budget "
+            f"{'none' if budget is None else format(budget / gib, '.1f') + ' GiB'} "
+            f"({'recomputing ' + str(len(ck.regions)) + ' regions' if ck else 'no recomputation'}; at the peak "
+            f"without it, in the {m['phase']}: {parts} GiB)\n"
+            f"  parallelism: parameters split along mesh axes "
+            f"{', '.join(f'{a}: {f:.0%}' for a, f in enumerate(split_per_axis(plan)))}; "
+            f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 def main():
@@ -63,6 +117,7 @@ def main():
     ap.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     ap.add_argument("--no-share", action="store_true", help="also plan without block sharing")
     ap.add_argument("--no-stamp", action="store_true", help="trace every layer (no layer stamping)")
+    ap.add_argument("--budget", default=None, help="memory budget of the Llama rows (default: the device's)")
     args = ap.parse_args()
     T.logging.set_verbosity_error()
     # warm up torch.export once so that the first row does not pay its one-time start-up
@@ -70,7 +125,7 @@ def main():
     totals = {}
     for name in args.rows.split(","):
         for share in ([True, False] if args.no_share else [True]):
-            plan, total, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp)
+            plan, total, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp, args.budget)
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
@@ -86,6 +141,7 @@ def main():
             est = plan.estimate
             print(f"  plan: estimated step {est['step_time_s'] * 1e3:.1f} ms, {len(plan.collectives)} forward "
                   f"collectives, objective {st['objective_s'] * 1e3:.3f} ms")
+            print(memory_lines(plan))
             if share:
                 totals[name] = total
     if "gpt2-small" in totals and "gpt2-xl" in totals:
