@@ -24,6 +24,11 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
   gradients of the log-probabilities and of the logits at once);
 * activation gradients, from the backward of the value's last consumer to the backward
   of its producer, under the value's spec;
+* parameters a saver takes in a layout they are not held in (kind ``gathered``: FSDP's
+  all-gathered weight, kept by autograd until the saver's backward, and its gradient in that
+  layout at that step; :class:`Item` with ``param``);
+* the gradient-bucket buffers of parameters replicated along a mesh axis (kind ``buffers``: the
+  flat copy and the all-reduce's result, at the backward of the parameter's first use);
 * the values the module returns (kind ``outputs``), through the whole backward (the caller
   holds them while it runs), at their returned size: under the placements
   :func:`~autoparallel.plan.returned_spec` gives their producer's spec (whole logits
@@ -37,7 +42,7 @@ tensors are matched to the op's inputs and outputs by storage, then to the graph
 owning those storages (through views, in-place ops and getitems). An op that cannot run
 alone on FakeTensors is assumed to save every input that needs a gradient. The model
 ignores allocator fragmentation and the workspace of kernels; collectives' buffers count
-as the redistributed tensors they produce.
+as the redistributed tensors they produce, except the gradient buckets above.
 """
 
 from __future__ import annotations
