@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import builtins
-import contextvars
 import copy
-import functools
 import logging
 import os
-import sys
-import threading
 import time
 import warnings
 
@@ -23,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from . import cache, errors, precision
+from . import cache, errors, precision, progress
 from .codegen import ParallelModule
 from .constraints import cache_key as constraints_key, resolve as resolve_constraints
 from .constraints import restrict as restrict_strategies
@@ -53,71 +49,7 @@ from .validate import check_planning_arguments, validate_plan
 
 log = logging.getLogger("autoparallel")
 
-PROGRESS_DELAY_S = 2.0
-"""Seconds a planning runs before its progress shows (a bar on a terminal, log lines elsewhere)."""
-_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("autoparallel_progress", default=None)
-
-
-class _Progress:
-    """The stages of one planning: on a terminal (stderr is a TTY) a tqdm bar that appears
-    once the planning has run :data:`PROGRESS_DELAY_S` seconds, naming the stage and the
-    time spent, ticking twice a second while a stage blocks (the ILP solver); elsewhere an
-    INFO log line per stage reached after that delay."""
-
-    def __init__(self, desc: str, stages: int):
-        self.desc, self.t0, self.bar = desc, time.perf_counter(), None
-        self._stop = threading.Event()
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=stages, desc=desc, delay=PROGRESS_DELAY_S, leave=False, miniters=0,
-                            mininterval=0.5, bar_format="{desc}: {bar:20} {n_fmt}/{total_fmt} stages, {elapsed}{postfix}")
-            threading.Thread(target=self._tick, daemon=True).start()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.5):
-            self.bar.update(0)  # redraws (after the delay) with the time spent
-
-    def stage(self, name: str) -> None:
-        if self.bar is not None:
-            self.bar.update(1 if self.bar.postfix else 0)
-            self.bar.set_postfix_str(name, refresh=False)
-        elapsed = time.perf_counter() - self.t0
-        if elapsed >= PROGRESS_DELAY_S:
-            log.info("%s: %s (%.1f s so far)", self.desc, name, elapsed)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _with_progress(fn):
-    """Run ``fn`` under a :class:`_Progress` that its :func:`_stage` calls advance (nested calls share the outer one)."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if _PROGRESS.get() is not None:
-            return fn(*args, **kwargs)
-        progress = _Progress("planning", 3)
-        token = _PROGRESS.set(progress)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _PROGRESS.reset(token)
-            progress.close()
-
-    return run
-
-
-def _stage(name: str) -> None:
-    """Mark the start of a planning stage on the current :class:`_Progress`, if any."""
-    progress = _PROGRESS.get()
-    if progress is not None:
-        progress.stage(name)
-
-
-@_with_progress
+@progress.planning
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
                  pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False,
@@ -154,7 +86,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
         hit.solver_stats["stamped_layers"] = traced.stamped_layers  # the graph is the same either way
         return hit
     t0 = time.perf_counter()
-    _stage("strategies")
+    progress.stage("strategies")
     gen = StrategyGenerator(mesh.shape, strict=strict)
     strategies = gen.generate(traced.gm)
     repl = (R,) * mesh.ndim
@@ -179,14 +111,14 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     names.update(traced.buffers)
     t2 = time.perf_counter()
     whole = written_back_outputs(traced.gm, traced.buffer_mutations)  # returned whole, to be written back
-    _stage("memory model")
+    progress.stage("memory model")
     memory = MemoryModel(traced.gm, gen.aliases, mesh.shape, optimizer=optimizer, device=device,
                          traced_on=traced.device, outputs=outputs, whole_outputs=whole)
     t_memory = time.perf_counter() - t2
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_layers=share_layers,
                       memory=memory, outputs=outputs, whole_outputs=whole,
                       reduce_dtype=precision.reduce_dtype(mp_policy))
-    _stage("costs and ILP solve")
+    progress.stage("costs and ILP solve")
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     plan.estimate["costs"] = cost_model.describe()
     st = plan.solver_stats

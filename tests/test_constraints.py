@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autoparallel
 from autoparallel.constraints import ConstraintError, format_spec, module_outputs, parse_spec

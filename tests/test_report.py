@@ -93,21 +93,21 @@ class _Terminal:
 def _staged():
     import time
 
-    from autoparallel import api
+    from autoparallel import progress
 
-    @api._with_progress
+    @progress.planning
     def work():
         for name in ("strategies", "memory model", "costs and ILP solve"):
-            api._stage(name)
+            progress.stage(name)
             time.sleep(0.6)
 
     work()
 
 
 def test_progress_bar_on_a_terminal(monkeypatch):
-    from autoparallel import api
+    from autoparallel import progress
 
-    monkeypatch.setattr(api, "PROGRESS_DELAY_S", 0.2)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.2)
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     _staged()
@@ -117,9 +117,9 @@ def test_progress_bar_on_a_terminal(monkeypatch):
 def test_progress_log_lines_elsewhere(monkeypatch, caplog):
     import logging
 
-    from autoparallel import api
+    from autoparallel import progress
 
-    monkeypatch.setattr(api, "PROGRESS_DELAY_S", 0.5)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.5)
     with caplog.at_level(logging.INFO, logger="autoparallel"):
         _staged()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planning:")]
