@@ -136,18 +136,6 @@ def test_cast_runs_on_the_shard_before_the_all_gather():
     assert gathered, "the plan should keep a weight sharded and gather it"
 
 
-def _has_fsdp_recipe() -> bool:
-    from autoparallel.validate import check_planning_arguments
-
-    try:
-        check_planning_arguments(parallelism="fsdp")
-    except ValueError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_fsdp_recipe(), reason="parallelism='fsdp' is not in this checkout yet (the recipe "
-                                                   "lands with the memory-aware defaults work)")
 def test_fsdp_recipe_gathers_half_precision_weights():
     """parallelism="fsdp" under a policy: every weight stored sharded in fp32, cast on its shard,
     all-gathered in bf16 (as FSDP2 does), not gathered in fp32 and cast after."""
