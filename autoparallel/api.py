@@ -270,7 +270,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
-                             stamp_layers=stamp_layers, outputs=outputs)
+                             stamp_layers=stamp_layers, outputs=outputs, constraints=constraints)
     t0 = time.perf_counter()
     mp_policy = precision.check_policy(mp_policy)
     traced = _trace(model, meta_inputs, stamp_layers, mp_policy, device)
@@ -430,7 +430,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
     check_planning_arguments(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,
                              parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, stamp_layers=stamp_layers,
-                             outputs=outputs)
+                             outputs=outputs, constraints=constraints)
     plan = _check_run(model, device_mesh, plan)
     mesh, cost_model = _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir)
     options = dict(cost_model=cost_model, strict=strict, solver=solver, time_limit=time_limit,

@@ -252,6 +252,16 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def check_type(constraints) -> None:
+    """Check, before any tracing, that ``constraints`` maps glob patterns (str) to placements.
+
+    Raises:
+        TypeError: ``constraints`` is not a mapping of string patterns.
+    """
+    if not isinstance(constraints, Mapping) or not all(isinstance(k, str) for k in constraints):
+        raise TypeError(f"constraints must be a dict of glob pattern (str) -> placements, not {constraints!r}")
+
+
 def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[Pinned]:
     """Match every pattern of ``constraints`` against the tensors of ``traced``.
 
@@ -264,8 +274,7 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
             differently.
         TypeError: ``constraints`` is not a mapping of string patterns.
     """
-    if not isinstance(constraints, Mapping) or not all(isinstance(k, str) for k in constraints):
-        raise TypeError(f"constraints must be a dict of glob pattern (str) -> placements, not {constraints!r}")
+    check_type(constraints)
     all_targets = targets(traced)
     pinned: list[Pinned] = []
     by_node: dict[tuple[str, fx.Node], Pinned] = {}

@@ -45,6 +45,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from .constraints import check_type as check_constraints_type
 from .errors import PlanMismatchError
 from .placement import P, R, Spec, is_valid, local_shape, shard_axes, spec_problem, spec_str, uneven_dims
 from .plan import OUTPUTS, Move, Plan, returned_spec
@@ -328,12 +329,13 @@ def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
 
 def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", time_limit=60.0, parallelism="auto",
                              share_layers=True, cache_dir=None, memory_budget=None, optimizer=DEFAULT_OPTIMIZER,
-                             device="cpu", stamp_layers=True, outputs="sharded") -> None:
+                             device="cpu", stamp_layers=True, outputs="sharded", constraints=None) -> None:
     """Check the planning options shared by :func:`autoparallel.plan` and
     :func:`autoparallel.autoparallelize` (meanings there), before any work is done.
 
     Raises:
-        TypeError: an argument of the wrong type (named, with the value given and what was expected).
+        TypeError: an argument of the wrong type (named, with the value given and what was
+            expected), ``constraints`` that is not a mapping of glob patterns.
         ValueError: an unknown ``solver``, ``parallelism``, ``optimizer`` or ``outputs``, a ``time_limit``
             that is not positive and finite, an unreadable or non-positive ``memory_budget``.
     """
@@ -365,5 +367,7 @@ def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", tim
         raise ValueError(f"optimizer must be one of {choices}, not {optimizer!r}")
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs must be {' or '.join(map(repr, OUTPUTS))}, not {outputs!r}")
+    if constraints is not None:
+        check_constraints_type(constraints)
     if not isinstance(device, str):
         raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', not {device!r}")

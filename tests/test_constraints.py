@@ -172,3 +172,16 @@ def test_autoparallelize_with_constraints_keeps_parity(sim_mesh):
     for name, g in grads.items():
         for r, v in enumerate(g._local_tensors.values() if isinstance(g, LocalTensor) else [g]):
             torch.testing.assert_close(v, ref_params[name].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {r}: {m}")
+
+
+def test_constraints_of_the_wrong_type_are_refused_before_tracing(gpt2, monkeypatch):
+    """A list (or any non-mapping) is refused by the argument checks, before the model is traced."""
+    from autoparallel.tracer import ColoTracer
+
+    def never(*args, **kwargs):
+        raise AssertionError("traced before the constraints were checked")
+
+    monkeypatch.setattr(ColoTracer, "trace", never)
+    for bad in ([("transformer.wpe.weight", "R")], {0: "R"}, "R"):
+        with pytest.raises(TypeError, match="constraints must be a dict"):
+            _plan(gpt2, constraints=bad)
