@@ -118,7 +118,7 @@ def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
     import warnings
 
     from autoparallel import MeshSpec, plan
-    from tests.models import MLP
+    from models import MLP
 
     model = MLP(hidden=16, layers=2)
     inputs = {"x": torch.empty(8, 16, device="meta"), "y": torch.empty(8, 16, device="meta")}
