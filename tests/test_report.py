@@ -1,5 +1,6 @@
 """plan.plot() and `python -m autoparallel plan --report DIR`: files written, PNGs that open."""
 
+import io
 import json
 import struct
 import sys
@@ -74,20 +75,11 @@ def test_cli_report(tmp_path, capsys):
     _png_size(out / "plan.png")
 
 
-class _Terminal:
+class _Terminal(io.StringIO):
     """A stderr that says it is a terminal and keeps what is written."""
-
-    def __init__(self):
-        self.text = ""
 
     def isatty(self):
         return True
-
-    def write(self, s):
-        self.text += s
-
-    def flush(self):
-        pass
 
 
 def _staged():
@@ -111,7 +103,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     _staged()
-    assert "planning:" in term.text and "stages" in term.text and "costs and ILP solve" in term.text
+    assert "planning:" in term.getvalue() and "stages" in term.getvalue() and "costs and ILP solve" in term.getvalue()
 
 
 def test_progress_log_lines_elsewhere(monkeypatch, caplog):
