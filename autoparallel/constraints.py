@@ -21,7 +21,7 @@ A pattern applies to every tensor it matches; one that matches nothing, two that
 tensor differently, and a placement the tensor has no strategy for raise
 :class:`ConstraintError`.
 
-Placement grammar (the plan's notation with mesh-axis names, as :func:`format_spec` prints)::
+Placement grammar (the plan's notation with mesh-axis names, as :func:`~autoparallel.placement.format_spec` prints)::
 
     placements := item (" " item)*
     item       := kind ["(" axis ")"]
@@ -55,7 +55,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .errors import AutoParallelError
 from .graph import tensor_inputs
 from .mesh import MeshSpec
-from .placement import P, R, Spec, spec_to_json
+from .placement import P, R, Spec, format_spec, spec_to_json
 
 _ITEM = re.compile(r"(R|P|S(0|[1-9][0-9]*))(?:\(([^()\s]+)\))?")
 
@@ -64,19 +64,6 @@ class ConstraintError(AutoParallelError, ValueError):
     """A constraint that cannot be applied: bad placement text, a pattern matching no
     tensor, two patterns pinning one tensor differently, or a placement the tensor has no
     strategy for (the message names the pattern, the tensor and its legal placements)."""
-
-
-def format_spec(spec: Spec, axis_names: Sequence[str]) -> str:
-    """The named notation of ``spec``: one item per mesh axis that is not replicated, in
-    mesh order, e.g. ``"S0(dp) S1(tp)"``, ``"P(tp)"``; ``"R"`` when replicated everywhere.
-    :func:`parse_spec` reads it back."""
-    items = []
-    for name, p in zip(axis_names, spec):
-        if isinstance(p, Shard):
-            items.append(f"S{p.dim}({name})")
-        elif isinstance(p, Partial):
-            items.append(f"P({name})")
-    return " ".join(items) or "R"
 
 
 def parse_spec(text: str, axis_names: Sequence[str]) -> Spec:

@@ -108,6 +108,22 @@ def spec_str(spec: Spec, ndim: int) -> str:
     return " ".join(toks) if toks else "R"
 
 
+def named_placement(p, axis) -> str:
+    """One mesh axis' placement with the axis name: ``S<dim>(<axis>)``, ``P(<axis>)`` or ``R``."""
+    if isinstance(p, Shard):
+        return f"S{p.dim}({axis})"
+    if isinstance(p, Partial):
+        return f"P({axis})"
+    return "R"
+
+
+def format_spec(spec: Spec, axis_names: Sequence[str]) -> str:
+    """The named notation of ``spec``: one item per mesh axis that is not replicated, in
+    mesh order, e.g. ``"S0(dp) S1(tp)"``, ``"P(tp)"``; ``"R"`` when replicated everywhere.
+    :func:`autoparallel.constraints.parse_spec` reads it back."""
+    return " ".join(named_placement(p, a) for p, a in zip(spec, axis_names) if not isinstance(p, Replicate)) or "R"
+
+
 def spec_to_json(spec: Spec) -> list[str]:
     """JSON form: one string per mesh axis, ``"S<d>"``, ``"R"`` or ``"P"``."""
     out = []

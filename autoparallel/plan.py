@@ -318,7 +318,7 @@ class Plan:
 
     def table(self, all_nodes: bool = False) -> str:
         """The plan as a text table, one row per node, placements in the named notation
-        (:func:`autoparallel.constraints.format_spec`); bookkeeping nodes with no cost are left
+        (:func:`autoparallel.placement.format_spec`); bookkeeping nodes with no cost are left
         out unless ``all_nodes``."""
         from .summary import named_specs
 

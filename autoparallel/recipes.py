@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from .constraints import format_spec
+from .placement import format_spec
 from .errors import AutoParallelError
 from .graph import layer_of
 from .mesh import MeshSpec

@@ -14,7 +14,7 @@ Sections (:func:`summary`):
 * the collectives of one repeated layer: kind, mesh axis, bytes per device, forward or
   backward, and the gradient reductions of its parameters.
 
-Placements print in the named notation of :func:`autoparallel.constraints.format_spec`
+Placements print in the named notation of :func:`autoparallel.placement.format_spec`
 (``S0(dp) S1(tp)``), which ``constraints=`` reads back.
 """
 
@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Sequence
 
-from .constraints import format_spec
+from .placement import format_spec
 from .placement import Spec
 
 if TYPE_CHECKING:

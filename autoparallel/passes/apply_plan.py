@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 
 from ..graph import output_leaves, tensor_inputs
-from ..placement import P, R, Spec, chunk_length, local_shape, shard_axes, uneven_dims
+from ..placement import P, R, Spec, chunk_length, local_shape, named_placement, shard_axes, uneven_dims
 from ..plan import Move, Plan
 from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
@@ -69,15 +69,7 @@ def process_groups(axis_names, group_names: list[str]) -> list[enum.Enum]:
 def placements_str(spec: Spec, axis_names) -> str:
     """One placement per mesh axis, named: ``S<dim>(<axis>)``, ``P(<axis>)`` or ``R``, e.g.
     ``S0(dp) S2(tp)`` (DTensor's order, not the plan table's one token per tensor dim)."""
-    out = []
-    for p, axis in zip(spec, axis_names):
-        if isinstance(p, Shard):
-            out.append(f"S{p.dim}({axis})")
-        elif isinstance(p, Partial):
-            out.append(f"P({axis})")
-        else:
-            out.append("R")
-    return " ".join(out)
+    return " ".join(named_placement(p, axis) for p, axis in zip(spec, axis_names))
 
 
 def _spec_tag(spec: Spec, axis_names) -> str:
