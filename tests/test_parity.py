@@ -35,6 +35,28 @@ def loss_of(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
+def train_side_by_side(ref, pmodel, batches, ranks, loss=loss_of, lr=0.1):
+    """An SGD step after each batch on ``ref`` (one device) and ``pmodel`` (simulated ``ranks``):
+    the loss and every parameter gradient agree on every rank at every step."""
+    with LocalTensorMode(ranks):
+        opt = torch.optim.SGD(pmodel.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    ref_params = dict(ref.named_parameters())
+    for step, inputs in enumerate(batches):
+        ref_opt.zero_grad()
+        want = loss(ref(**inputs))
+        want.backward()
+        with LocalTensorMode(ranks):
+            opt.zero_grad()
+            got = loss(pmodel(**inputs))
+            got.backward()
+            assert_close(f"step {step} loss", got.detach(), want.detach())
+            for name, p in pmodel.named_parameters():
+                assert_close(f"step {step} grad of {name} {p.placements}", p.grad.full_tensor(), ref_params[name].grad)
+            opt.step()
+        ref_opt.step()
+
+
 def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8):
     """Train ``name`` (or ``ref``, a model with ``name``'s inputs) on a simulated mesh and on one
     device side by side, on batches of ``batch`` samples: the loss and every parameter gradient

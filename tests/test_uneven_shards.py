@@ -122,9 +122,8 @@ def _vocab_split_nodes(plan, vocab):
 def _parity(ref, batches, mesh, cost_model, loss=lambda out: out.loss):
     """Train a copy of ``ref`` on ``mesh`` (simulated) beside ``ref`` on one device, an SGD step
     after each batch: the loss and every gradient agree on every rank. Returns the module."""
-    from test_parity import assert_close
-
     import autoparallel
+    from test_parity import train_side_by_side
 
     model = copy.deepcopy(ref)
     ranks = frozenset(range(mesh.size()))
@@ -132,22 +131,7 @@ def _parity(ref, batches, mesh, cost_model, loss=lambda out: out.loss):
         pmodel = autoparallel.autoparallelize(
             model, {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batches[0].items()},
             device_mesh=mesh, cost_model=cost_model)
-        opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_params = dict(ref.named_parameters())
-    for step, inputs in enumerate(batches):
-        ref_opt.zero_grad()
-        want = loss(ref(**inputs))
-        want.backward()
-        with LocalTensorMode(ranks):
-            opt.zero_grad()
-            got = loss(pmodel(**inputs))
-            got.backward()
-            assert_close(f"step {step} loss", got.detach(), want.detach())
-            for name, p in pmodel.named_parameters():
-                assert_close(f"step {step} grad of {name} {p.placements}", p.grad.full_tensor(), ref_params[name].grad)
-            opt.step()
-        ref_opt.step()
+    train_side_by_side(ref, pmodel, batches, ranks, loss)
     return pmodel
 
 

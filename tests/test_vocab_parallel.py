@@ -197,17 +197,15 @@ def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(sim_mesh):
 
     import autoparallel
     from models import to_meta
-    from test_parity import assert_close
+    from test_parity import train_side_by_side
 
     vocab = 2048
     mesh = sim_mesh((4,))
     ref = _gpt2(vocab)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(4))
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(_lm_batch(0, vocab)), device_mesh=mesh,
                                               cost_model=autoparallel.CostModel("cpu"))
-        opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     nodes = pmodel.plan.nodes.values()
     loss = next(n for n in nodes if n.op == "cross_entropy_loss.default")
     wte = next(n for n in nodes if n.op == "embedding.default" and n.module_path == "transformer.wte")
@@ -215,21 +213,7 @@ def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(sim_mesh):
     assert wte.input_specs[0] == (Shard(0),), f"the embedding should split the vocabulary: {wte.specs_str()}"
     code = pmodel.graph_module.code
     assert "local_logsumexp" in code and "vocab_parallel_cross_entropy" in code and "'max'" in code
-    ref_params = dict(ref.named_parameters())
-    for step in range(2):
-        batch = _lm_batch(step, vocab)
-        ref_opt.zero_grad()
-        want = ref(**batch).loss
-        want.backward()
-        with LocalTensorMode(ranks):
-            opt.zero_grad()
-            got = pmodel(**batch).loss
-            got.backward()
-            assert_close(f"step {step} loss", got.detach(), want.detach())
-            for name, p in pmodel.named_parameters():
-                assert_close(f"step {step} grad of {name}", p.grad.full_tensor(), ref_params[name].grad)
-            opt.step()
-        ref_opt.step()
+    train_side_by_side(ref, pmodel, [_lm_batch(step, vocab) for step in range(2)], ranks)
 
 
 def _gloo_worker(rank: int, port: int, world: int) -> None:
