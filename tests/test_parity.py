@@ -60,38 +60,20 @@ def train_side_by_side(ref, pmodel, batches, ranks, loss=loss_of, lr=0.1):
 def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8):
     """Train ``name`` (or ``ref``, a model with ``name``'s inputs) on a simulated mesh and on one
     device side by side, on batches of ``batch`` samples: the loss and every parameter gradient
-    must agree on every rank at each of ``steps`` checks, with an SGD step between checks.
+    must agree on every rank at each of ``steps`` checks, with an SGD step after each.
     Returns the parallel module."""
     mesh = sim_mesh(mesh_shape)
     ref = build(name) if ref is None else ref
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0, batch=batch)), device_mesh=mesh,
                                               cost_model=COST_MODELS[cost]())
-        opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
     assert set(pmodel.state_dict()) == set(ref.state_dict())  # non-persistent buffers stay out
-    for step in range(steps):  # step 0, then again after each SGD step
-        inputs = batch_for(name, step, batch=batch)
-        ref_opt.zero_grad()
-        want = loss_of(ref(**inputs))
-        want.backward()
-        with LocalTensorMode(ranks):
-            opt.zero_grad()
-            got = loss_of(pmodel(**inputs))
-            got.backward()
-            assert_close(f"step {step} loss", got.detach(), want.detach())
-            for pname, p in pmodel.named_parameters():
-                assert_close(f"step {step} grad of {pname} {p.placements}", p.grad.full_tensor(),
-                             ref_params[pname].grad)
-            if step < steps - 1:
-                opt.step()
-        if step < steps - 1:
-            ref_opt.step()
+    train_side_by_side(ref, pmodel, [batch_for(name, step, batch=batch) for step in range(steps)], ranks)
     return pmodel
 
 
