@@ -39,6 +39,18 @@ VOCAB_SAMPLES = {
                          F.nll_loss(torch.log_softmax(x, 1, dtype=torch.float64), t, reduction="sum"),
                          F.softmax(x, 1)),
         [(8, 16), _int(16, 8), (16,)]),
+    # 18 classes and 7 rows, which no axis of (4,) or (2, 2) divides: torch.chunk pieces (5, 5, 5, 3)
+    "vp_uneven_cross_entropy": (
+        lambda x, t, w: (F.cross_entropy(x, t.masked_fill(t > 14, -100), weight=w.detach().abs() + 0.5,
+                                         label_smoothing=0.1),
+                         F.cross_entropy(x, t, label_smoothing=0.2, reduction="sum"),
+                         F.cross_entropy(x, t, ignore_index=3, reduction="none")),
+        [(7, 18), _int(18, 7), (18,)]),
+    "vp_uneven_log_softmax_nll_loss": (
+        lambda x, t, w: (F.nll_loss(F.log_softmax(x, 1), t),
+                         F.nll_loss(x.log_softmax(-1), t, weight=w.detach().abs() + 0.5, ignore_index=3,
+                                    reduction="sum")),
+        [(7, 18), _int(18, 7), (18,)]),
     "vp_embedding": (lambda w, i: (F.embedding(i, w), F.embedding(i, w, padding_idx=5) * 2),
                      [(32, 16), _int(32, 4, 8)]),
 }
@@ -62,6 +74,8 @@ CASES = {  # (rows, classes, pieces, weight, ignore_index, label_smoothing, dtyp
     "one_piece_weight": (4, 9, 1, True, -100, 0.0, torch.float32),
     "bf16_logits": (6, 16, 4, True, 2, 0.1, torch.bfloat16),
     "long_rows": (3, 2 * 4096 + 40, 2, True, -100, 0.1, torch.float32),  # several blocks per row
+    "uneven_pieces_weight": (5, 18, 4, True, 3, 0.1, torch.float32),  # torch.chunk: 5, 5, 5, 3 classes
+    "uneven_pieces_smoothing": (5, 18, 4, False, -100, 0.2, torch.float32),
 }
 
 
@@ -90,12 +104,11 @@ def check_kernels(impl: str, case: str) -> None:
     ref = F.cross_entropy(xd, t, weight=w, ignore_index=ignore, label_smoothing=eps, reduction="none")
     ref.backward(up)
 
-    per = n // pieces
-    parts = [x[:, k * per:(k + 1) * per].contiguous() for k in range(pieces)]
+    parts = [p.contiguous() for p in x.chunk(pieces, dim=1)]  # torch.chunk pieces, as the plan cuts
     ms, ss = zip(*(stats(p) for p in parts))
     top = torch.stack(ms).amax(0)  # the all-reduce (max)
     lse = top + torch.log(sum(s * torch.exp(m - top) for m, s in zip(ms, ss)))  # the all-reduce (sum)
-    firsts = [torch.tensor([k * per]) for k in range(pieces)]
+    firsts = [torch.tensor([k * -(-n // pieces)]) for k in range(len(parts))]
     share = sum(loss_fn(p, t, w, lse, f, n, ignore, eps) for p, f in zip(parts, firsts))
     grad = torch.cat([grad_fn(p, t, w, lse, f, up, n, ignore, eps) for p, f in zip(parts, firsts)], 1)
     tol = dict(rtol=1e-5, atol=1e-5)
@@ -213,6 +226,33 @@ def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(sim_mesh):
     assert wte.input_specs[0] == (Shard(0),), f"the embedding should split the vocabulary: {wte.specs_str()}"
     code = pmodel.graph_module.code
     assert "local_logsumexp" in code and "vocab_parallel_cross_entropy" in code and "'max'" in code
+    train_side_by_side(ref, pmodel, [_lm_batch(step, vocab) for step in range(2)], ranks)
+
+
+@pytest.mark.slow  # about 10 s here
+def test_gpt2_with_a_vocabulary_four_devices_do_not_divide_splits_the_loss_unevenly(sim_mesh):
+    """GPT-2 with 2050 words at batch 2 on (4,), cpu preset: the LM head's logits and the
+    loss's classes split as ``torch.chunk`` cuts them (513, 513, 513, 511 classes); the local
+    kernels take each device's own class count. Loss and every gradient equal one device's."""
+    import copy
+
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Shard
+
+    import autoparallel
+    from models import to_meta
+    from test_parity import train_side_by_side
+
+    vocab = 2050
+    mesh = sim_mesh((4,))
+    ref = _gpt2(vocab)
+    ranks = frozenset(range(4))
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(_lm_batch(0, vocab)), device_mesh=mesh,
+                                              cost_model=autoparallel.CostModel("cpu"))
+    loss = next(n for n in pmodel.plan.nodes.values() if n.op == "cross_entropy_loss.default")
+    assert loss.input_specs[0] == (Shard(1),), f"the loss should split the classes: {loss.specs_str()}"
+    assert "vocab_parallel_cross_entropy" in pmodel.graph_module.code
     train_side_by_side(ref, pmodel, [_lm_batch(step, vocab) for step in range(2)], ranks)
 
 

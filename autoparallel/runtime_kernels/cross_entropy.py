@@ -71,15 +71,16 @@ def torch_logsumexp_stats(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _weights(weight, t, kept, first, n_local: int, n_classes: int):
-    """``(w_t, w_local, W, W_local)``: the target's class weight per row (0 when ignored), the
-    weights of the local classes ``(n_local,)``, their global and local sums; ones without a
-    weight (``w_local`` is then ``None``)."""
+    """``(w_t, w_local, W)``: the target's class weight per row (0 when ignored), the weights
+    of the local classes ``(n_local,)`` and their global sum; ones without a weight
+    (``w_local`` is then ``None``). ``n_local`` may differ by device (``torch.chunk`` pieces:
+    under simulated ranks a per-rank ``SymInt``), so nothing here turns it into a float."""
     if weight is None:
-        return kept.float(), None, float(n_classes), float(n_local)
+        return kept.float(), None, float(n_classes)
     w = weight.float()
     w_t = w[torch.where(kept, t, 0)] * kept
     w_local = w.index_select(0, first + torch.arange(n_local, device=w.device))
-    return w_t, w_local, w.sum(), w_local.sum()
+    return w_t, w_local, w.sum()
 
 
 def torch_loss(xr, t, weight, lse, first, n_classes: int, ignore_index: int, smoothing: float) -> torch.Tensor:
@@ -89,11 +90,12 @@ def torch_loss(xr, t, weight, lse, first, n_classes: int, ignore_index: int, smo
     local = t - first
     own = kept & (local >= 0) & (local < x.shape[1])
     x_t = x.gather(1, torch.where(own, local, 0)[:, None]).squeeze(1)
-    w_t, w_local, _, w_local_sum = _weights(weight, t, kept, first, x.shape[1], n_classes)
+    w_t, w_local, _ = _weights(weight, t, kept, first, x.shape[1], n_classes)
     loss = (1 - smoothing) * torch.where(own, w_t * (lse - x_t), 0.0)
-    if smoothing:
-        wx = x.sum(1) if w_local is None else x @ w_local
-        loss = loss + smoothing / n_classes * torch.where(kept, w_local_sum * lse - wx, 0.0)
+    if smoothing:  # Σ_{c local} w_c (lse - x_c): W_local · lse - Σ w_c x_c without counting the classes
+        gap = lse[:, None] - x
+        spread = gap.sum(1) if w_local is None else gap @ w_local
+        loss = loss + smoothing / n_classes * torch.where(kept, spread, 0.0)
     return loss
 
 
@@ -104,12 +106,12 @@ def torch_grad(xr, t, weight, lse, first, grad, n_classes: int, ignore_index: in
     kept = t != ignore_index
     local = t - first
     own = kept & (local >= 0) & (local < x.shape[1])
-    w_t, w_local, w_sum, _ = _weights(weight, t, kept, first, x.shape[1], n_classes)
+    w_t, w_local, w_sum = _weights(weight, t, kept, first, x.shape[1], n_classes)
     g = torch.where(kept, grad.float(), 0.0)
     coef = (1 - smoothing) * w_t + smoothing / n_classes * w_sum
     d = coef[:, None] * torch.exp(x - lse[:, None])
     if smoothing:
-        d = d - smoothing / n_classes * (1.0 if w_local is None else w_local[None, :])
+        d = d - smoothing / n_classes * (1.0 if w_local is None else w_local.unsqueeze(0))
     d = d * g[:, None]
     hit = torch.where(own, (1 - smoothing) * w_t * g, 0.0)
     return d.scatter_add(1, torch.where(own, local, 0)[:, None], -hit[:, None])

@@ -68,6 +68,9 @@ class DimMap:
             argument holds ``-1`` for that dim), ops with no size argument any number. An
             op with inputs splits unevenly only labels some input has (an ``expand``ed
             broadcast dim has no input to take its local, device-dependent size from).
+        uneven_labels: when given, only these labels may be split unevenly (a loss's
+            classes, not its batch: ``nll_loss`` on per-device batch sizes does not run
+            under simulated ranks, so those strategies could not be verified).
     """
 
     inputs: list[tuple[Label | None, ...]]
@@ -79,6 +82,7 @@ class DimMap:
     factors: frozenset[int] = frozenset()
     blocks: dict = field(default_factory=dict)
     uneven: int = 0
+    uneven_labels: frozenset | None = None
 
 
 def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
@@ -127,6 +131,7 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
         split = {lab: _pieces(mesh_shape, assign, lab) for lab in labels}
         uneven = {lab for lab, n in split.items() if any(s % n for s in sizes[lab])}
         if any(not _uneven_ok(assign, lab, sizes[lab], split[lab]) or dm.inputs and lab not in in_labels
+               or dm.uneven_labels is not None and lab not in dm.uneven_labels
                for lab in uneven) or dm.uneven < max(
                 (sum(lab in uneven for lab in labs) for labs, _ in tensors), default=0):
             continue

@@ -57,7 +57,9 @@ def _class_rule(node, in_shapes, out_shapes, split_weight: bool):
     target then whole along those mesh axes, a ``weight`` split with the classes when
     ``split_weight``, else whole; the output ``Partial``).
     ``reduction='none'``: the output is split like the target; 'sum' and 'mean': a 0-d
-    ``Partial``. An unbatched input ``(C,)`` has nothing to split: replicated."""
+    ``Partial``. The classes may be split unevenly (``torch.chunk`` pieces; not the batch,
+    whose uneven local loss cannot run under simulated ranks: docs/design.md, "Losses on
+    uneven classes"). An unbatched input ``(C,)`` has nothing to split: replicated."""
     x, t = in_shapes[0], in_shapes[1]
     if len(x) < 2:
         return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * len(s) for s in out_shapes],
@@ -68,8 +70,9 @@ def _class_rule(node, in_shapes, out_shapes, split_weight: bool):
     factors = frozenset(range(1, len(in_shapes)))  # target, weight: whole along axes splitting labels they lack
     if op_args(node)["reduction"] == _NONE:
         return DimMap([lx, lt] + lw, [lt], list(in_shapes), list(out_shapes), reduce=frozenset({"c"}),
-                      factors=factors)
-    return DimMap([lx, lt] + lw, [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx), factors=factors)
+                      factors=factors, uneven=1, uneven_labels=frozenset({"c"}))
+    return DimMap([lx, lt] + lw, [()], list(in_shapes), list(out_shapes), reduce=frozenset(lx), factors=factors,
+                  uneven=1, uneven_labels=frozenset({"c"}))
 
 
 def _local_rows(shape, spec, mesh_shape, dim: int) -> int:
@@ -237,7 +240,7 @@ def softmax_cost(node, strategy, cost_model) -> float:
 def softmax_rule(node, in_shapes, out_shapes):
     """Every dim may be split, the normalized one too (:func:`local_softmax`)."""
     labs = tuple(f"d{i}" for i in range(len(in_shapes[0])))
-    return DimMap([labs], [labs], list(in_shapes), list(out_shapes))
+    return DimMap([labs], [labs], list(in_shapes), list(out_shapes), uneven=1)
 
 
 def local_bce_with_logits(call: LocalCall):
