@@ -12,7 +12,7 @@ from autoparallel.graph import output_leaves
 from autoparallel.placement import Replicate, Shard, local_shape
 from autoparallel.plan import returned_spec
 from autoparallel.solver.costs import PRESETS
-from autoparallel.solver.memory import RESERVE_FRACTION, MemoryModel, host_memory, resolve_budget
+from autoparallel.solver.memory import RESERVE_FRACTION, MemoryModel, device_capacity, host_memory, resolve_budget
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.tracer import ColoTracer
 from models import ShardParams, batch_for, hf_model, to_meta
@@ -134,3 +134,15 @@ def test_default_budget_is_the_device_memory_less_the_reserve():
     assert resolve_budget("2GiB", lambda: 0) == 2 * GIB and resolve_budget(" Unlimited ", lambda: 0) is None
     with pytest.raises(ValueError, match="cannot read memory budget"):
         resolve_budget("lots", lambda: 0)
+
+
+def test_device_capacity_reads_free_gpu_memory_and_shares_the_host(monkeypatch):
+    """On a GPU the capacity is the free memory ``torch.cuda.mem_get_info`` reports (what the
+    CUDA context and other processes leave), not the total; on a CPU the host's memory is
+    shared evenly by the ranks on it. The GPU branch runs here with the CUDA calls replaced."""
+    assert device_capacity("cpu", 4) == host_memory() // 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GIB, 80 * GIB))
+    assert device_capacity("cuda") == 70 * GIB
+    assert device_capacity("cuda", ranks_on_host=8) == 70 * GIB  # each rank has its own GPU
+    assert resolve_budget(None, lambda: device_capacity("cuda")) == int(70 * GIB * (1 - RESERVE_FRACTION))
