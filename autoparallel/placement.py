@@ -17,6 +17,16 @@ be split by that one axis alone, as ``torch.chunk`` (and DTensor's ``Shard``) cu
 valid (``(n-1)·c < s``: 50257 over 4 is 12565, 12565, 12565, 12562; 5 over 4 is refused, its
 last device would hold nothing). A dim split over several mesh axes must be divided evenly.
 :func:`local_shape` gives the largest shard (``c``): what costs and memory are priced by.
+
+**Splits in units.** A :class:`UnitShard` ``(dim, unit)`` cuts a dim of ``s`` rows as
+``torch.chunk`` cuts its ``s / unit`` units, each piece whole units: 25 heads of 8 columns
+(``s = 200``) on 2 devices are 13 and 12 heads, 104 and 96 columns, where a plain cut gives
+100 and 100. Pieces are ``c = unit · ceil(s / unit / n)`` rows, the last ones shorter. It
+is a ``Shard`` for every purpose but the piece sizes (``isinstance(p, Shard)`` holds, and it
+equals no plain ``Shard``); only cuts that differ from the even one exist (``s / unit`` not
+divided by ``n``; else the spec is the plain ``Shard(dim)``). DTensor cannot hold it: it
+places activations, and slices of parameters cut locally, never a stored parameter.
+Printed ``S<axes>u<unit>`` (``R R S1u8``), in JSON ``"S<dim>u<unit>"``.
 """
 
 from __future__ import annotations
@@ -34,6 +44,61 @@ Spec = tuple[Placement, ...]
 
 R = Replicate()
 P = Partial()
+
+
+class UnitShard(Shard):
+    """``Shard(dim)`` cut in whole units of ``unit`` rows (module docstring, "Splits in units").
+
+    Args:
+        dim: the tensor dim split.
+        unit: rows per unit, an int >= 2 (a unit of 1 is the plain ``Shard(dim)``).
+
+    Raises:
+        ValueError: ``unit`` is not an int >= 2.
+    """
+
+    def __init__(self, dim: int, unit: int):
+        if not isinstance(unit, int) or unit < 2:
+            raise ValueError(f"a unit split needs a unit of at least 2 rows, not {unit!r} (use Shard({dim}))")
+        super().__init__(dim)
+        self.unit = unit
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, UnitShard) and (self.dim, self.unit) == (other.dim, other.unit)
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.unit))
+
+    def __reduce__(self):
+        return UnitShard, (self.dim, self.unit)
+
+    def __repr__(self) -> str:
+        return f"UnitShard(dim={self.dim}, unit={self.unit})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})u{self.unit}"
+
+
+def shard(dim: int, unit: int = 1) -> Shard:
+    """``Shard(dim)`` for ``unit == 1``, else ``UnitShard(dim, unit)``."""
+    return Shard(dim) if unit == 1 else UnitShard(dim, unit)
+
+
+def unit_of(p: Placement) -> int:
+    """Rows per unit of a placement's cut: ``p.unit`` for a :class:`UnitShard`, else 1."""
+    return getattr(p, "unit", 1)
+
+
+def dim_unit(spec: Spec, dim: int) -> int:
+    """Rows per unit of the cut of tensor dim ``dim`` under ``spec`` (1 unless a
+    :class:`UnitShard` splits it)."""
+    return max((unit_of(p) for p in spec if isinstance(p, Shard) and p.dim == dim), default=1)
+
+
+def piece_length(size: int, pieces: int, unit: int = 1) -> int:
+    """Rows of the largest piece of a dim of ``size`` rows cut in ``pieces`` as ``torch.chunk``
+    cuts its ``size / unit`` units: ``unit · ceil(size / unit / pieces)``."""
+    return unit * -(-(size // unit) // pieces)
 
 
 def replicated(ndim_mesh: int) -> Spec:
@@ -64,30 +129,33 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
 
 @functools.lru_cache(maxsize=65536)
 def _local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(-(-s // num_shards(spec, d, mesh_shape)) for d, s in enumerate(shape))
+    return tuple(piece_length(s, num_shards(spec, d, mesh_shape), dim_unit(spec, d)) for d, s in enumerate(shape))
 
 
-def chunk_ok(size: int, pieces: int) -> bool:
-    """Whether ``torch.chunk`` cuts a dim of ``size`` into ``pieces`` nonempty pieces (always
-    for an even split)."""
-    return size % pieces == 0 or (pieces - 1) * -(-size // pieces) < size
+def chunk_ok(size: int, pieces: int, unit: int = 1) -> bool:
+    """Whether ``torch.chunk`` cuts the ``size / unit`` units of a dim of ``size`` rows into
+    ``pieces`` nonempty pieces (always for an even split; never when ``unit`` does not
+    divide ``size``)."""
+    units = size // unit
+    return size % unit == 0 and (units % pieces == 0 or (pieces - 1) * -(-units // pieces) < units)
 
 
 def uneven_dims(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Tensor dims that ``spec`` splits unevenly (see "Uneven splits" above)."""
-    return tuple(d for d, s in enumerate(shape) if s % num_shards(spec, d, mesh_shape))
+    """Tensor dims that ``spec`` splits unevenly, plainly or in units (see above)."""
+    return tuple(d for d, s in enumerate(shape) if s % (num_shards(spec, d, mesh_shape) * dim_unit(spec, d)))
 
 
-def chunk_length(coord, axis: int, size: int, pieces: int):
-    """Rows of a dim of ``size`` split unevenly in ``pieces`` along mesh ``axis`` that this
-    device holds: ``min(c, size - i·c)`` with ``c = ceil(size / pieces)`` and ``i`` the
-    device's coordinate on ``axis`` (read from ``coord``, the int64 ``mesh_coord`` tensor).
+def chunk_length(coord, axis: int, size: int, pieces: int, unit: int = 1):
+    """Rows of a dim of ``size`` split unevenly in ``pieces`` along mesh ``axis`` (in units
+    of ``unit`` rows) that this device holds: ``min(c, size - i·c)`` with ``c =
+    piece_length(size, pieces, unit)`` and ``i`` the device's coordinate on ``axis`` (read
+    from ``coord``, the int64 ``mesh_coord`` tensor).
 
     Called by the emitted code. On one process the result is an ``int``; under
     ``LocalTensorMode`` ``coord`` holds one value per simulated rank and the result is a
     ``SymInt`` with one value per rank, which ``narrow`` takes as it is: the code stays the
     same on every rank (docs/design.md, "Rank-dependent code without rank-dependent Python")."""
-    c = -(-size // pieces)
+    c = piece_length(size, pieces, unit)
     return torch.sym_min(c, size - coord.tolist()[axis] * c)
 
 
@@ -96,12 +164,16 @@ def shard_fraction(spec: Spec, mesh_shape: Sequence[int]) -> int:
     return math.prod(n for n, p in zip(mesh_shape, spec) if isinstance(p, Shard))
 
 
+def _unit_suffix(unit: int) -> str:
+    return f"u{unit}" if unit > 1 else ""
+
+
 def spec_str(spec: Spec, ndim: int) -> str:
-    """Compact notation, e.g. ``S0 R S1`` or ``R S01 P1`` (see module docstring)."""
+    """Compact notation, e.g. ``S0 R S1``, ``R S01 P1`` or ``R R S1u8`` (see module docstring)."""
     toks = []
     for d in range(ndim):
         axes = shard_axes(spec, d)
-        toks.append("S" + "".join(map(str, axes)) if axes else "R")
+        toks.append("S" + "".join(map(str, axes)) + _unit_suffix(dim_unit(spec, d)) if axes else "R")
     pax = partial_axes(spec)
     if pax:
         toks.append("P" + "".join(map(str, pax)))
@@ -109,9 +181,10 @@ def spec_str(spec: Spec, ndim: int) -> str:
 
 
 def named_placement(p, axis) -> str:
-    """One mesh axis' placement with the axis name: ``S<dim>(<axis>)``, ``P(<axis>)`` or ``R``."""
+    """One mesh axis' placement with the axis name: ``S<dim>(<axis>)`` (``S<dim>u<unit>(<axis>)``
+    for a :class:`UnitShard`), ``P(<axis>)`` or ``R``."""
     if isinstance(p, Shard):
-        return f"S{p.dim}({axis})"
+        return f"S{p.dim}{_unit_suffix(unit_of(p))}({axis})"
     if isinstance(p, Partial):
         return f"P({axis})"
     return "R"
@@ -125,11 +198,12 @@ def format_spec(spec: Spec, axis_names: Sequence[str]) -> str:
 
 
 def spec_to_json(spec: Spec) -> list[str]:
-    """JSON form: one string per mesh axis, ``"S<d>"``, ``"R"`` or ``"P"``."""
+    """JSON form: one string per mesh axis, ``"S<d>"`` (``"S<d>u<unit>"`` for a
+    :class:`UnitShard`), ``"R"`` or ``"P"``."""
     out = []
     for p in spec:
         if isinstance(p, Shard):
-            out.append(f"S{p.dim}")
+            out.append(f"S{p.dim}{_unit_suffix(unit_of(p))}")
         elif isinstance(p, Partial):
             out.append("P")
         else:
@@ -137,15 +211,16 @@ def spec_to_json(spec: Spec) -> list[str]:
     return out
 
 
-_SHARD_TOKEN = re.compile(r"S(0|[1-9][0-9]*)")
+_SHARD_TOKEN = re.compile(r"S(0|[1-9][0-9]*)(?:u([2-9]|[1-9][0-9]+))?")
 
 
 def spec_from_json(items: Sequence[str]) -> Spec:
     """Inverse of :func:`spec_to_json`.
 
     Raises:
-        ValueError: when ``items`` is not a list of ``"R"``, ``"P"`` or ``"S<d>"`` strings
-            (``d`` a tensor dim, written without sign or leading zeros).
+        ValueError: when ``items`` is not a list of ``"R"``, ``"P"``, ``"S<d>"`` or
+            ``"S<d>u<unit>"`` strings (``d`` a tensor dim, ``unit`` >= 2, written without sign
+            or leading zeros).
     """
     if not isinstance(items, (list, tuple)):
         raise ValueError(f"a spec must be a list of placements such as ['S0', 'R'], not {items!r}")
@@ -164,19 +239,20 @@ def _parse_spec(items: tuple[str, ...]) -> Spec:
             out.append(R)
         elif s == "P":
             out.append(P)
-        elif _SHARD_TOKEN.fullmatch(s):
-            out.append(Shard(int(s[1:])))
+        elif m := _SHARD_TOKEN.fullmatch(s):
+            out.append(shard(int(m.group(1)), int(m.group(2) or 1)))
         else:
-            raise ValueError(f"bad placement {s!r} in spec {list(items)}: expected 'R', 'P' or 'S<d>' "
-                             "with d a tensor dim >= 0")
+            raise ValueError(f"bad placement {s!r} in spec {list(items)}: expected 'R', 'P', 'S<d>' or "
+                             "'S<d>u<unit>' with d a tensor dim >= 0 and unit >= 2")
     return tuple(out)
 
 
 def spec_problem(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> str | None:
     """Why ``spec`` cannot place a tensor of global ``shape`` on a mesh of ``mesh_shape``, or
-    ``None`` when it can: one placement per mesh axis, each ``Shard(d)`` with ``0 <= d <
-    len(shape)``, ``Replicate()`` or ``Partial()``, every split dim divided evenly or split
-    unevenly by one mesh axis (see "Uneven splits" above)."""
+    ``None`` when it can: one placement per mesh axis, each ``Shard(d)`` (or
+    :class:`UnitShard`) with ``0 <= d < len(shape)``, ``Replicate()`` or ``Partial()``, every
+    split dim divided evenly or split unevenly (plainly or in units) by one mesh axis (see
+    "Uneven splits" and "Splits in units" above)."""
     if len(spec) != len(mesh_shape):
         return f"has {len(spec)} placements for a {len(mesh_shape)}-axis mesh"
     for a, p in enumerate(spec):
@@ -187,15 +263,20 @@ def spec_problem(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) ->
             return f"has {p!r} on mesh axis {a}, not Shard, Replicate or Partial"
     if not is_valid(spec, shape, mesh_shape):
         return (f"splits a dim of shape {tuple(shape)} over mesh {tuple(mesh_shape)} in a way no device "
-                "layout holds (uneven over several mesh axes, or leaving a device empty)")
+                "layout holds (uneven over several mesh axes, leaving a device empty, or in units that do not "
+                "divide the dim or that cut it evenly)")
     return None
 
 
 def is_valid(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim is divided evenly by the mesh axes splitting it, or split
-    unevenly by a single mesh axis with no device left empty."""
+    unevenly by a single mesh axis with no device left empty; a dim cut in units (a
+    :class:`UnitShard`) must be a whole number of units that the axis does not divide."""
     for d, s in enumerate(shape):
         n = num_shards(spec, d, mesh_shape)
-        if n > 1 and s % n and (len(shard_axes(spec, d)) > 1 or not chunk_ok(s, n)):
+        u = dim_unit(spec, d)
+        if u > 1 and (n == 1 or s % u or (s // u) % n == 0):
+            return False
+        if n > 1 and s % (n * u) and (len(shard_axes(spec, d)) > 1 or not chunk_ok(s, n, u)):
             return False
     return all(not isinstance(p, Shard) or p.dim < len(shape) for p in spec)

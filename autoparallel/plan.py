@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from . import precision
 from .mesh import MeshSpec
-from .placement import R, Spec, spec_from_json, spec_str, spec_to_json
+from .placement import R, Spec, spec_from_json, spec_str, spec_to_json, unit_of
 
 OUTPUTS = ("sharded", "replicated")
 """How the module returns its outputs (the ``outputs=`` planning option): ``"sharded"`` in
@@ -37,7 +37,7 @@ def returned_spec(src: Spec, outputs: str, whole: bool = False) -> Spec:
         raise ValueError(f"outputs must be one of {', '.join(map(repr, OUTPUTS))}, not {outputs!r}")
     if outputs == "replicated" or whole:
         return (R,) * len(src)
-    return tuple(R if p.is_partial() else p for p in src)
+    return tuple(R if p.is_partial() or unit_of(p) > 1 else p for p in src)  # DTensor holds no unit cut
 
 
 @dataclass(frozen=True)
@@ -45,16 +45,19 @@ class Move:
     """One step of a redistribution (:mod:`autoparallel.solver.layout`): ``kind`` (one of
     :data:`MOVE_KINDS`) along mesh ``axis``; ``src_dim``/``dst_dim`` are the tensor dims
     involved (``None`` where not applicable); ``nbytes`` the bytes the collective moves (as
-    in :meth:`~autoparallel.solver.costs.CostModel.collective_time`)."""
+    in :meth:`~autoparallel.solver.costs.CostModel.collective_time`); ``unit`` the rows per
+    unit of the cut a slice or reduce-scatter makes (:class:`~autoparallel.placement.UnitShard`;
+    1 for a plain cut, and in JSON only when it is not 1)."""
 
     kind: str
     axis: int
     src_dim: int | None
     dst_dim: int | None
     nbytes: int
+    unit: int = 1
 
     def to_json(self) -> list:
-        return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes]
+        return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes] + ([self.unit] if self.unit != 1 else [])
 
 
 @dataclass(frozen=True)
@@ -256,9 +259,10 @@ class Redistribution:
         moves = []
         for i, m in enumerate(d["moves"]):
             at = f"{where}: moves[{i}]"
-            if not (isinstance(m, list) and len(m) == 5):
-                raise ValueError(f"{at} is {m!r}, expected [kind, mesh axis, src dim, dst dim, bytes]")
-            kind, axis, src_dim, dst_dim, nbytes = m
+            if not (isinstance(m, list) and len(m) in (5, 6)):
+                raise ValueError(f"{at} is {m!r}, expected [kind, mesh axis, src dim, dst dim, bytes] "
+                                 "(and the unit of the cut, when not 1)")
+            kind, axis, src_dim, dst_dim, nbytes, unit = m + [1] * (6 - len(m))
             if kind not in MOVE_KINDS:
                 raise ValueError(f"{at}: kind {kind!r} is not one of {', '.join(MOVE_KINDS)}")
             if not (_is_count(axis) and _is_count(nbytes)):
@@ -266,7 +270,10 @@ class Redistribution:
             for what, dim in (("src dim", src_dim), ("dst dim", dst_dim)):
                 if dim is not None and not (_is_count(dim) and dim < len(shape)):
                     raise ValueError(f"{at}: {what} {dim!r} is not a dim of the {len(shape)}-dim tensor")
-            moves.append(Move(kind, axis, src_dim, dst_dim, nbytes))
+            if not (_is_count(unit) and unit >= 1 and (unit == 1 or kind in ("slice", "reduce_scatter"))):
+                raise ValueError(f"{at}: unit {unit!r} must be an int >= 1, and 1 unless the move is a slice or "
+                                 "reduce-scatter")
+            moves.append(Move(kind, axis, src_dim, dst_dim, nbytes, unit))
         return cls(d["src"], d["src_index"], d["dst"], d["arg"], shape, moves, d["cost_s"])
 
 

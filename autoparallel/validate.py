@@ -47,7 +47,7 @@ from torch.distributed.tensor import Shard
 
 from .constraints import check_type as check_constraints_type
 from .errors import PlanMismatchError
-from .placement import P, R, Spec, is_valid, local_shape, shard_axes, spec_problem, spec_str, uneven_dims
+from .placement import P, R, Spec, is_valid, local_shape, shard, shard_axes, spec_problem, spec_str, uneven_dims
 from .plan import OUTPUTS, Move, Plan, returned_spec
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
@@ -281,24 +281,24 @@ def _apply_move(spec: Spec, shape, is_float: bool, m: Move, ms, where: str) -> S
 
     def appendable(d) -> bool:  # a new split of dim d along axis a goes after its existing ones, validly
         return d is not None and 0 <= d < n and all(x < a for x in shard_axes(spec, d)) and \
-            is_valid(spec[:a] + (_shard(d),) + spec[a + 1:], shape, ms)
+            is_valid(spec[:a] + (_shard(d, m.unit),) + spec[a + 1:], shape, ms)
 
     def bad(why: str) -> PlanMismatchError:
         return _mismatch(where, f"{m.kind} along mesh axis {a} (dims {m.src_dim}, {m.dst_dim}) on spec "
                          f"{_fmt(spec, shape)}: {why}")
 
     gathers = m.kind in ("all_gather", "all_to_all")
-    if gathers and not (p == _shard(m.src_dim) and shard_axes(spec, m.src_dim)[-1] == a):
+    if gathers and not (isinstance(p, Shard) and p.dim == m.src_dim and shard_axes(spec, m.src_dim)[-1] == a):
         raise bad(f"mesh axis {a} must be the last one splitting dim {m.src_dim}")
     if m.kind == "all_gather" and m.dst_dim is None:
         return spec[:a] + (R,) + spec[a + 1:]
     if m.kind == "all_to_all" and m.dst_dim != m.src_dim and appendable(m.dst_dim) and loc[m.dst_dim] % ms[a] == 0 \
             and not uneven_dims(shape, spec, ms):
-        return spec[:a] + (_shard(m.dst_dim),) + spec[a + 1:]
+        return spec[:a] + (_shard(m.dst_dim, m.unit),) + spec[a + 1:]
     if m.kind in ("slice", "reduce_scatter") and m.src_dim is None and appendable(m.dst_dim):
         if p != (R if m.kind == "slice" else P):
             raise bad("the axis must be " + ("replicated" if m.kind == "slice" else "partial"))
-        return spec[:a] + (_shard(m.dst_dim),) + spec[a + 1:]
+        return spec[:a] + (_shard(m.dst_dim, m.unit),) + spec[a + 1:]
     if m.kind == "all_reduce" and (m.src_dim, m.dst_dim) == (None, None):
         if p != P:
             raise bad("the axis must be partial")
@@ -312,8 +312,8 @@ def _apply_move(spec: Spec, shape, is_float: bool, m: Move, ms, where: str) -> S
               "all-to-all)")
 
 
-def _shard(d: int | None):
-    return Shard(d) if d is not None else None
+def _shard(d: int | None, unit: int = 1):
+    return shard(d, unit) if d is not None else None
 
 
 def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:

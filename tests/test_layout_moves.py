@@ -16,11 +16,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoparallel.codegen.module import _mesh_coord
 from autoparallel.mesh import MeshSpec
 from autoparallel.passes.apply_plan import _Emitter, process_groups
+from autoparallel.placement import dim_unit
 from autoparallel.solver.layout import Move
 
 R, P = Replicate(), Partial()
 MESH = (2, 2)
-CASES = {  # (global shape, source spec, move (kind, axis, src_dim, dst_dim), destination spec)
+CASES = {  # (global shape, source spec, move (kind, axis, src_dim, dst_dim[, unit]), destination spec)
     "all_gather dim 1": ((4, 6, 8), (Shard(0), Shard(1)), ("all_gather", 1, 1, None), (Shard(0), R)),
     "all_gather dim 1 of 2 axes": ((2, 8, 6), (Shard(1), Shard(1)), ("all_gather", 1, 1, None), (Shard(1), R)),
     "all_gather dim 0": ((4, 6), (Shard(0), R), ("all_gather", 0, 0, None), (R, R)),
@@ -43,13 +44,16 @@ CASES = {  # (global shape, source spec, move (kind, axis, src_dim, dst_dim), de
 
 def piece(full: torch.Tensor, spec, coord) -> torch.Tensor:
     """The local tensor of ``full`` placed by ``spec`` on the device at ``coord`` (a dim split
-    over several axes in ascending axis order); a pending sum: the value on coordinate 0."""
+    over several axes in ascending axis order, ``torch.chunk`` pieces of its units for a
+    ``UnitShard``); a pending sum: the value on coordinate 0."""
     for d in range(full.dim()):
-        axes = [a for a, p in enumerate(spec) if p == Shard(d)]
+        axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == d]
         idx = 0
         for a in axes:
             idx = idx * MESH[a] + coord[a]
-        full = full.chunk(math.prod(MESH[a] for a in axes), d)[idx]
+        unit = dim_unit(spec, d)
+        units = full.unflatten(d, [full.shape[d] // unit, unit])
+        full = units.chunk(math.prod(MESH[a] for a in axes), d)[idx].flatten(d, d + 1)
     partial = [a for a, p in enumerate(spec) if p == P]
     return full if all(coord[a] == 0 for a in partial) else torch.zeros_like(full)
 
@@ -57,7 +61,7 @@ def piece(full: torch.Tensor, spec, coord) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES)
 def test_move(case, sim_mesh):
     shape, src, moves, dst = CASES[case]
-    moves = [Move(*m, 0) for m in (moves if isinstance(moves, list) else [moves])]
+    moves = [Move(*m[:4], 0, *m[4:]) for m in (moves if isinstance(moves, list) else [moves])]
     mesh = sim_mesh(MESH)
     ranks = range(mesh.size())
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)

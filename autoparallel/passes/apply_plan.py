@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
 
 from ..graph import output_leaves, tensor_inputs
-from ..placement import P, R, Spec, chunk_length, local_shape, named_placement, shard_axes, uneven_dims
+from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
+                         shard_axes, uneven_dims)
 from ..plan import Move, Plan
 from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
@@ -85,7 +85,7 @@ def _after(spec: Spec, m: Move) -> Spec:
     if new is None:
         if m.kind not in ("reduce_scatter", "all_to_all", "slice"):
             raise ValueError(f"unknown move {m.kind}")
-        new = Shard(m.dst_dim)
+        new = shard(m.dst_dim, m.unit)
     return spec[:m.axis] + (new,) + spec[m.axis + 1:]
 
 
@@ -162,8 +162,8 @@ class _Emitter:
         """One move; ``x`` and the result are nodes or :class:`_Pieces`."""
         a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
         loc = local_shape(shape, spec, self.mesh_shape)
-        if m.kind in ("all_gather", "slice", "reduce_scatter") and shape[m.src_dim if m.dst_dim is None
-                                                                        else m.dst_dim] % n:
+        if m.kind in ("all_gather", "slice", "reduce_scatter") and \
+                shape[m.src_dim if m.dst_dim is None else m.dst_dim] % (n * self.unit(spec, m)):
             return self.uneven_move(self.joined(x), shape, spec, loc, m)
         if m.kind == "all_gather":
             if isinstance(x, _Pieces) and x.gathered and x.dim == m.src_dim and max(shard_axes(spec, x.dim)) == a:
@@ -198,10 +198,17 @@ class _Emitter:
             return self.call(aten.sym_size.int, x, 0)
         return local_shape(shape, spec, self.mesh_shape)[0]
 
+    @staticmethod
+    def unit(spec: Spec, m: Move) -> int:
+        """Rows per unit of the cut move ``m`` makes (a slice, reduce-scatter) or undoes (an
+        all-gather of ``spec``); 1 for other moves."""
+        return dim_unit(spec, m.src_dim) if m.kind == "all_gather" else m.unit
+
     def uneven_move(self, x: fx.Node, shape, spec: Spec, loc, m: Move) -> fx.Node:
         """A move into or out of a dim split unevenly along axis ``m.axis`` (the only axis that
-        splits it; :mod:`autoparallel.placement`, "Uneven splits"), exact through padding: with
-        ``c = ceil(s / n)`` rows per piece, an all-gather pads each device's piece to ``c`` rows,
+        splits it; :mod:`autoparallel.placement`, "Uneven splits" and "Splits in units"), exact
+        through padding: with ``c`` rows per piece (``ceil(s / n)``, or ``unit · ceil(s / unit /
+        n)`` for a cut in units), an all-gather pads each device's piece to ``c`` rows,
         gathers and keeps the first ``s`` rows (the pads sit after the last real row, as the
         first pieces are full); a slice or reduce-scatter pads the whole dim to ``n·c``, takes
         this device's ``c`` rows and narrows them to the device's row count
@@ -209,8 +216,8 @@ class _Emitter:
         Python). The pads' gradients are dropped by the backward of pad and narrow."""
         a, n, grp = m.axis, self.mesh_shape[m.axis], self.groups[m.axis]
         d = m.src_dim if m.kind == "all_gather" else m.dst_dim
-        s, ndim = shape[d], len(shape)
-        c = -(-s // n)
+        s, ndim, unit = shape[d], len(shape), self.unit(spec, m)
+        c = piece_length(s, n, unit)
         if m.kind == "all_gather":
             short = self.call(operator.sub, c, self.call(aten.sym_size.int, x, d))
             padded = self.call(aten.contiguous.default, self.pad(x, d, ndim, short))
@@ -227,7 +234,8 @@ class _Emitter:
             full = loc[:d] + (n * c,) + loc[d + 1:]
             y = self.wait(self.call(c10d.reduce_scatter_tensor.default, self.pieces_front(x, d, n, full), "sum", n,
                                     grp))
-        y = self.call(aten.narrow.default, y, d, 0, self.call(chunk_length, self.coord, a, s, n))
+        length = self.call(chunk_length, self.coord, a, s, n, *((unit,) if unit > 1 else ()))
+        y = self.call(aten.narrow.default, y, d, 0, length)
         return self.copy(y) if d else y
 
     def copy(self, x: fx.Node) -> fx.Node:

@@ -18,7 +18,10 @@ can be gathered and a new axis can only be appended after the existing ones. A d
 split unevenly by one axis (:mod:`autoparallel.placement`, "Uneven splits"): slices,
 reduce-scatters and all-gathers reach and leave such specs (the emitter pads the pieces to
 equal size around the collective); all-to-alls do not, on any tensor with an uneven dim
-(their split sizes would differ by device), and bytes are those of the largest shard. Gradients
+(their split sizes would differ by device), and bytes are those of the largest shard. A cut in
+units (:class:`~autoparallel.placement.UnitShard`) is reached by a slice or reduce-scatter
+that carries the unit (``Move.unit``) and left by an all-gather; the search offers it only
+where the target spec has it (a cut in units no op asked for is never useful). Gradients
 of replicated tensors are carried as per-device partial sums (DESIGN §2), which is why a
 slice needs no backward collective. The search is Dijkstra's algorithm over specs with
 each move weighted by its forward and (when a gradient flows) backward cost, run once
@@ -33,7 +36,7 @@ from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..placement import P, R, Spec, is_valid, local_shape, shard_axes, uneven_dims
+from ..placement import P, R, Spec, is_valid, local_shape, shard, shard_axes, uneven_dims, unit_of
 from ..plan import Move
 from .costs import CostModel
 
@@ -54,7 +57,7 @@ class Redistributor:
         self.mesh_shape = cost_model.mesh.shape
         self._memo: dict = {}
 
-    def _neighbors(self, spec: Spec, shape, itemsize: int, is_float: bool):
+    def _neighbors(self, spec: Spec, shape, itemsize: int, is_float: bool, units: frozenset):
         ms = self.mesh_shape
         loc = local_shape(shape, spec, ms)
         nbytes = itemsize
@@ -62,11 +65,16 @@ class Redistributor:
             nbytes *= s
         even = not uneven_dims(shape, spec, ms)
 
-        def split(a: int, d: int) -> Spec | None:
-            """``spec`` with dim ``d`` split along axis ``a`` after its other axes, if valid."""
+        def splits(a: int, d: int):
+            """``(unit, spec)`` with dim ``d`` split along axis ``a`` after its other axes, plainly
+            or in one of ``units`` of ``d``, where valid."""
             axes = shard_axes(spec, d)
-            new = spec[:a] + (Shard(d),) + spec[a + 1:]
-            return new if (not axes or axes[-1] < a) and is_valid(new, shape, ms) else None
+            if axes and axes[-1] >= a:
+                return
+            for u in (1, *sorted(u for d2, u in units if d2 == d)):
+                new = spec[:a] + (shard(d, u),) + spec[a + 1:]
+                if is_valid(new, shape, ms):
+                    yield u, new
 
         for a, p in enumerate(spec):
             n = ms[a]
@@ -83,17 +91,15 @@ class Redistributor:
                         yield Move("all_to_all", a, d, d2, nbytes), spec[:a] + (Shard(d2),) + spec[a + 1:]
             elif isinstance(p, Replicate):
                 for d in range(len(shape)):
-                    new = split(a, d)
-                    if new is not None:
-                        yield Move("slice", a, None, d, 0), new
+                    for u, new in splits(a, d):
+                        yield Move("slice", a, None, d, 0, u), new
                 if is_float:
                     yield Move("mask", a, None, None, 0), spec[:a] + (P,) + spec[a + 1:]
             elif isinstance(p, Partial):
                 yield Move("all_reduce", a, None, None, nbytes), spec[:a] + (R,) + spec[a + 1:]
                 for d in range(len(shape)):
-                    new = split(a, d)
-                    if new is not None:
-                        yield Move("reduce_scatter", a, None, d, nbytes), new
+                    for u, new in splits(a, d):
+                        yield Move("reduce_scatter", a, None, d, nbytes, u), new
 
     def move_cost(self, m: Move, requires_grad: bool) -> float:
         """Forward (+ backward when a gradient flows) seconds of one move."""
@@ -105,9 +111,10 @@ class Redistributor:
         return t
 
     def paths_from(self, shape: Sequence[int], itemsize: int, is_float: bool, src: Spec,
-                   requires_grad: bool) -> dict[Spec, tuple[float, tuple[Move, ...]]]:
-        """Cheapest cost and moves from ``src`` to every reachable spec."""
-        key = (tuple(shape), itemsize, is_float, src, requires_grad)
+                   requires_grad: bool, units: frozenset = frozenset()) -> dict[Spec, tuple[float, tuple[Move, ...]]]:
+        """Cheapest cost and moves from ``src`` to every reachable spec; cuts in units only as
+        ``units`` (pairs of tensor dim and rows per unit) offers them."""
+        key = (tuple(shape), itemsize, is_float, src, requires_grad, units)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
@@ -121,7 +128,7 @@ class Redistributor:
                 continue
             done.add(spec)
             path = best[spec][1]
-            for move, nxt in self._neighbors(spec, shape, itemsize, is_float):
+            for move, nxt in self._neighbors(spec, shape, itemsize, is_float, units):
                 c = cost + self.move_cost(move, requires_grad)
                 if nxt not in best or c < best[nxt][0] - 1e-15:
                     best[nxt] = (c, path + (move,))
@@ -134,4 +141,5 @@ class Redistributor:
         """``(seconds, moves)`` of the cheapest redistribution; ``(inf, ())`` when impossible."""
         if src == dst:
             return 0.0, ()
-        return self.paths_from(shape, itemsize, is_float, src, requires_grad).get(dst, (float("inf"), ()))
+        units = frozenset((p.dim, unit_of(p)) for p in dst if unit_of(p) > 1)
+        return self.paths_from(shape, itemsize, is_float, src, requires_grad, units).get(dst, (float("inf"), ()))

@@ -1,0 +1,87 @@
+"""Uneven splits in units (``UnitShard``, autoparallel/placement.py "Splits in units"): 25 heads
+of 8 columns on 2 devices are 13 and 12 heads, 104 and 96 columns. The placement's arithmetic
+and notation, the moves into and out of unit cuts on simulated ranks, and the layout
+converter's paths."""
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel.placement import (P, UnitShard, chunk_ok, is_valid, local_shape, piece_length, spec_from_json,
+                                    spec_problem, spec_str, spec_to_json, uneven_dims)
+from autoparallel.plan import Move
+
+R = Replicate()
+
+
+def test_unit_pieces():
+    spec = (UnitShard(2, 8), R)
+    assert local_shape((3, 5, 200), spec, (2, 2)) == (3, 5, 104)  # 13 heads of 8; the other device 12
+    assert piece_length(200, 4, 8) == 56  # 25 units on 4: 7, 7, 7, 4 units
+    assert uneven_dims((3, 5, 200), (R, UnitShard(2, 8)), (2, 4)) == (2,)  # 200 / 4 is even, 25 / 4 is not
+    assert is_valid(spec, (3, 5, 200), (2, 2))
+    assert not is_valid((UnitShard(2, 8), R), (3, 5, 192), (2, 2))  # 24 heads: the plain Shard(2) cuts them
+    assert not is_valid((UnitShard(1, 8),), (3, 60), (2,))  # 8 does not divide 60
+    assert not is_valid((UnitShard(0, 8), Shard(0)), (200, 3), (2, 2))  # uneven over two axes
+    assert not is_valid((UnitShard(0, 4),), (20,), (4,))  # 5 units on 4: 2, 2, 1, 0
+    assert chunk_ok(200, 2, 8) and not chunk_ok(20, 4, 4) and not chunk_ok(60, 2, 8)
+    assert "in units" in spec_problem((UnitShard(0, 8),), (60, 3), (2,))
+    assert UnitShard(1, 8) != Shard(1) and Shard(1) != UnitShard(1, 8) and isinstance(UnitShard(1, 8), Shard)
+    assert len({UnitShard(1, 8), UnitShard(1, 8), Shard(1), UnitShard(1, 4)}) == 3
+    with pytest.raises(ValueError, match="at least 2"):
+        UnitShard(0, 1)
+
+
+def test_unit_notation_round_trips():
+    spec = (Shard(0), UnitShard(2, 8))
+    assert spec_str(spec, 3) == "S0 R S1u8"
+    assert spec_to_json(spec) == ["S0", "S2u8"]
+    assert spec_from_json(["S0", "S2u8"]) == spec
+    for bad in ("S2u1", "S2u08", "S2u", "Su8"):
+        with pytest.raises(ValueError, match="unit"):
+            spec_from_json([bad])
+    m = Move("slice", 1, None, 2, 0, 8)
+    assert m.to_json() == ["slice", 1, None, 2, 0, 8]
+    assert Move("slice", 1, None, 2, 0).to_json() == ["slice", 1, None, 2, 0]  # plain cuts as before
+
+
+# on a (2, 2) mesh, as test_layout_moves.CASES; a move is (kind, axis, src dim, dst dim[, unit])
+UNIT_MOVES = {
+    "slice dim 1 in units of 4 (5 units: 12, 8 rows)": ((3, 20), (Shard(0), R), ("slice", 1, None, 1, 4),
+                                                       (Shard(0), UnitShard(1, 4))),
+    "slice dim 0 in units of 3": ((15, 4), (R, R), ("slice", 0, None, 0, 3), (UnitShard(0, 3), R)),
+    "all_gather dim 1 in units": ((4, 10, 3), (Shard(0), UnitShard(1, 2)), ("all_gather", 1, 1, None),
+                                  (Shard(0), R)),
+    "all_gather dim 0 in units, dim 1 split": ((6, 4), (UnitShard(0, 2), Shard(1)), ("all_gather", 0, 0, None),
+                                               (R, Shard(1))),
+    "reduce_scatter dim 2 in units": ((2, 3, 20), (P, Shard(0)), ("reduce_scatter", 0, None, 2, 4),
+                                      (UnitShard(2, 4), Shard(0))),
+    "reduce_scatter dim 0 in units": ((10, 3), (R, P), ("reduce_scatter", 1, None, 0, 2), (R, UnitShard(0, 2))),
+    "plain even cut to units: all_gather then slice": ((2, 20), (R, Shard(1)),
+                                                       [("all_gather", 1, 1, None), ("slice", 1, None, 1, 4)],
+                                                       (R, UnitShard(1, 4))),
+}
+
+
+@pytest.mark.parametrize("case", UNIT_MOVES)
+def test_unit_move(case, sim_mesh, monkeypatch):
+    """Every rank gets its piece of whole units, contiguous (test_layout_moves.test_move)."""
+    import test_layout_moves
+
+    monkeypatch.setitem(test_layout_moves.CASES, case, UNIT_MOVES[case])
+    test_layout_moves.test_move(case, sim_mesh)
+
+
+def test_redistributor_reaches_unit_cuts():
+    from autoparallel.mesh import MeshSpec
+    from autoparallel.solver.costs import CostModel
+    from autoparallel.solver.layout import Redistributor
+
+    rd = Redistributor(CostModel().bind(MeshSpec((2,))))
+    _, moves = rd.redistribute((3, 200), 4, True, (R,), (UnitShard(1, 8),), True)
+    assert [(m.kind, m.unit) for m in moves] == [("slice", 8)]
+    _, moves = rd.redistribute((3, 200), 4, True, (P,), (UnitShard(1, 8),), True)
+    assert [(m.kind, m.unit, m.nbytes) for m in moves] == [("reduce_scatter", 8, 3 * 200 * 4)]
+    _, moves = rd.redistribute((3, 200), 4, True, (UnitShard(1, 8),), (R,), True)
+    assert [(m.kind, m.nbytes) for m in moves] == [("all_gather", 3 * 104 * 4 * 2)]  # 2 pieces of 13 heads
+    _, moves = rd.redistribute((3, 200), 4, True, (Shard(1),), (UnitShard(1, 8),), True)
+    assert [m.kind for m in moves] == ["all_gather", "slice"]  # 100 | 100 columns to 104 | 96
