@@ -98,3 +98,41 @@ def test_waits_move_to_first_reader_and_gathers_run_ahead(sim_mesh):
     assert_close("loss", got.detach(), want.detach())
     for name, p in pmodel.named_parameters():
         assert_close(f"grad of {name}", p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+
+
+def test_bucket_buffer_is_reused_only_when_nobody_holds_it(tmp_path):
+    """On a real (1-rank gloo) process group a bucket reduces in the same flat buffer step
+    after step once the last step's gradients were dropped, and in a fresh one while the
+    caller still holds a gradient (kept, or accumulated into): no gradient is overwritten."""
+    import torch.distributed as dist
+
+    from autoparallel.runtime_kernels import reduce_grads_in_bucket
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        group = dist.group.WORLD.group_name
+        params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+
+        def backward(scale):
+            a, b = reduce_grads_in_bucket((group,), *params)
+            (scale * (a.sum() + 2 * b.sum())).backward()
+
+        want = [torch.ones(3, 4), torch.full((5,), 2.0)]
+        backward(1.0)
+        first = params[0].grad.data_ptr()
+        assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
+        for p in params:
+            p.grad = None
+        backward(1.0)
+        assert params[0].grad.data_ptr() == first  # reused: nothing held the buffer
+        kept = params[0].grad
+        for p in params:
+            p.grad = None
+        backward(3.0)
+        assert params[0].grad.data_ptr() != first and torch.equal(kept, want[0])  # kept: a fresh buffer
+        backward(1.0)  # accumulates into the gradients of the last backward
+        assert all(torch.equal(p.grad, 4 * w) for p, w in zip(params, want))
+    finally:
+        dist.destroy_process_group()
