@@ -4,11 +4,14 @@ and notation, the moves into and out of unit cuts on simulated ranks, and the la
 converter's paths."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel.placement import (P, UnitShard, chunk_ok, is_valid, local_shape, piece_length, spec_from_json,
                                     spec_problem, spec_str, spec_to_json, uneven_dims)
 from autoparallel.plan import Move
+from test_rules import _check_all_strategies
 
 R = Replicate()
 
@@ -85,3 +88,58 @@ def test_redistributor_reaches_unit_cuts():
     assert [(m.kind, m.nbytes) for m in moves] == [("all_gather", 3 * 104 * 4 * 2)]  # 2 pieces of 13 heads
     _, moves = rd.redistribute((3, 200), 4, True, (Shard(1),), (UnitShard(1, 8),), True)
     assert [m.kind for m in moves] == ["all_gather", "slice"]  # 100 | 100 columns to 104 | 96
+
+
+def _heads(x, w_in, w_out):
+    """A projection to 5 heads of 4, per-head work, the heads merged and projected back."""
+    h = F.linear(x, w_in).view(3, 5, 5, 4).transpose(1, 2)  # [3, 5 heads, 5, 4]
+    h = (h * 2.0).tanh().transpose(1, 2).reshape(3, 5, 20)
+    return F.linear(h, w_out)
+
+
+def _heads_addmm(x, w, b):
+    """GPT-2's Conv1D: flattened rows through addmm, viewed back, split into heads."""
+    y = torch.addmm(b, x.view(-1, 20), w).view(3, 5, 20).view(3, 5, 5, 4)
+    return y.permute(0, 2, 1, 3).relu()
+
+
+def _heads_matmul(q, k):
+    """Attention scores per head: the heads are a batch dim of both operands."""
+    q = q.view(2, 4, 5, 4).transpose(1, 2)
+    k = k.view(2, 4, 5, 4).transpose(1, 2)
+    return (q @ k.transpose(-1, -2)).softmax(-1)
+
+
+def _attention(x, wq, wk, wv, wo):
+    """Multi-head causal attention on 5 heads of 4 (Llama's layout without rotary); the
+    result scaled down so that float32's rounding stays within the checks' absolute tolerance."""
+    q, k, v = (F.linear(x, w).view(2, 4, 5, 4).transpose(1, 2) for w in (wq, wk, wv))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.linear(a.transpose(1, 2).reshape(2, 4, 20), wo) * 0.1
+
+
+# 20 columns, 5 heads of 4: on 2 devices 3 and 2 heads (12 and 8 columns, not 10 and 10)
+UNIT_SAMPLES = {
+    "heads_linear_view": (_heads, [(3, 5, 20), (20, 20), (20, 20)]),
+    "heads_addmm_view": (_heads_addmm, [(3, 5, 20), (20, 20), (20,)]),
+    "heads_matmul": (_heads_matmul, [(2, 4, 20), (2, 4, 20)]),
+    "heads_attention": (_attention, [(2, 4, 20)] + [(20, 20)] * 4),
+}
+
+
+def _unit_cuts(gen_strategies) -> int:
+    return sum(1 for ss in gen_strategies.values() for s in ss for spec in s.inputs + s.outputs
+               if any(isinstance(p, UnitShard) for p in spec))
+
+
+@pytest.mark.parametrize("name,mesh_shape", [(n, (2,)) for n in sorted(UNIT_SAMPLES)] +
+                         [pytest.param(n, (2, 2), marks=pytest.mark.slow) for n in ("heads_linear_view",)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_every_unit_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
+    """Every strategy of every node, unit cuts included, against the dense op (test_rules)."""
+    from test_rules import _captured
+
+    gen = _check_all_strategies(name, mesh_shape, sim_mesh, set(), samples=UNIT_SAMPLES)
+    fn, specs = UNIT_SAMPLES[name]
+    _, traced = _captured(fn, tuple(specs))
+    assert _unit_cuts(gen.generate(traced.gm)) > 0  # the samples exercise cuts in units

@@ -13,7 +13,12 @@ rest replicated), the output is ``Partial`` along it.
 Enumeration assigns to every mesh axis either nothing, one label, or one linear set,
 and keeps assignments where every split dim divides evenly, or, for ops whose local form is
 exact on ``torch.chunk`` pieces (``DimMap.uneven``), where a label of the same size in every
-tensor is split unevenly by one mesh axis (:mod:`autoparallel.placement`, "Uneven splits").
+tensor is split unevenly by one mesh axis (:mod:`autoparallel.placement`, "Uneven splits"), or
+in units (:class:`~autoparallel.placement.UnitShard`): a label whose dims are whole numbers of
+units of their own sizes, the same number in every tensor (``DimMap.units``: a view's
+``[B, S, 200] → [B, S, 25, 8]`` cuts 200 in units of 8 where it cuts 25 in heads), or a label
+of one size ``s`` cut in a unit the caller offers for ``s`` (``unit_candidates``, from the
+graph's views), so that a projection's output is cut in the heads its consumer's view needs.
 This is the einsum view of sharding that Alpa (arXiv 2201.12023, §4.1) and the SPMD partitioners build on; one
 engine covers matmuls, pointwise ops, views and reductions.
 """
@@ -25,9 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from torch.distributed.tensor import Shard
-
-from ..placement import P, R, Spec, chunk_ok
+from ..placement import P, R, Spec, chunk_ok, shard
 
 Label = Hashable
 
@@ -71,6 +74,9 @@ class DimMap:
         uneven_labels: when given, only these labels may be split unevenly (a loss's
             classes, not its batch: ``nll_loss`` on per-device batch sizes does not run
             under simulated ranks, so those strategies could not be verified).
+        units: label → {size: rows per unit} for a label whose dims differ in size but are
+            the same number of units (a view's split or merged dim): the only uneven cut of
+            such a label cuts every dim in its units. Sizes absent: a unit of 1.
     """
 
     inputs: list[tuple[Label | None, ...]]
@@ -83,17 +89,19 @@ class DimMap:
     blocks: dict = field(default_factory=dict)
     uneven: int = 0
     uneven_labels: frozenset | None = None
+    units: dict = field(default_factory=dict)
 
 
-def _spec_for(labels: Sequence[Label | None], assign: Sequence, reduce: frozenset, is_input: bool,
-              pos: int, factors: frozenset = frozenset()) -> Spec | None:
+def _spec_for(labels: Sequence[Label | None], shape, assign: Sequence, units: dict, reduce: frozenset,
+              is_input: bool, pos: int, factors: frozenset = frozenset()) -> Spec | None:
     spec = []
     for kind, val in assign:
         if kind is None:
             spec.append(R)
         elif kind == "label":
             if val in labels:
-                spec.append(Shard(labels.index(val)))
+                d = labels.index(val)
+                spec.append(shard(d, units.get(val, {}).get(shape[d], 1)))
             elif val in reduce:
                 spec.append(R if is_input and pos in factors else P)
             elif is_input:
@@ -110,8 +118,14 @@ def _pieces(mesh_shape: Sequence[int], assign: Sequence, label: Label) -> int:
     return math.prod(mesh_shape[a] for a, (k, v) in enumerate(assign) if k == "label" and v == label)
 
 
-def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy]:
-    """Every strategy of the op described by ``dm`` on a mesh of ``mesh_shape``."""
+def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int],
+                         unit_candidates: dict[int, Sequence[int]] | None = None) -> list[Strategy]:
+    """Every strategy of the op described by ``dm`` on a mesh of ``mesh_shape``.
+
+    Args:
+        unit_candidates: size → rows per unit a label of that one size may also be cut in
+            (by one mesh axis, where the cut is uneven in units; module docstring).
+    """
     labels = []
     for labs in dm.inputs + dm.outputs:
         for lab in labs:
@@ -128,36 +142,53 @@ def enumerate_strategies(dm: DimMap, mesh_shape: Sequence[int]) -> list[Strategy
     result = []
     for assign in itertools.product(options, repeat=len(mesh_shape)):
         # a label must be split in ascending mesh-axis order; product() gives each set once
-        split = {lab: _pieces(mesh_shape, assign, lab) for lab in labels}
-        uneven = {lab for lab, n in split.items() if any(s % n for s in sizes[lab])}
-        if any(not _uneven_ok(assign, lab, sizes[lab], split[lab]) or dm.inputs and lab not in in_labels
-               or dm.uneven_labels is not None and lab not in dm.uneven_labels
-               for lab in uneven) or dm.uneven < max(
-                (sum(lab in uneven for lab in labs) for labs, _ in tensors), default=0):
-            continue
+        if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
+            continue  # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
         if any(count % _pieces(mesh_shape, assign, lab) for lab, count in dm.blocks.items()):
             continue
-        # a mesh axis of size 1 only ever replicates (avoids duplicate strategies)
-        if any(k is not None and mesh_shape[a] == 1 for a, (k, _) in enumerate(assign)):
-            continue
-        ins = [_spec_for(labs, assign, dm.reduce, True, i, dm.factors) for i, labs in enumerate(dm.inputs)]
-        outs = [_spec_for(labs, assign, dm.reduce, False, i) for i, labs in enumerate(dm.outputs)]
-        if any(s is None for s in outs):
-            continue
-        work = math.prod(_work_split(sizes[lab], n) for lab, n in split.items() if n > 1)
-        result.append(Strategy(tuple(ins), tuple(outs), work))
+        split = {lab: _pieces(mesh_shape, assign, lab) for lab in labels}
+        split = {lab: n for lab, n in split.items() if n > 1}
+        ways = [[(lab, *cut) for cut in _cuts(sizes[lab], dm.units.get(lab, {}), n,
+                                              sum(1 for k, v in assign if k == "label" and v == lab),
+                                              unit_candidates or {})] for lab, n in split.items()]
+        for cuts in itertools.product(*ways):
+            uneven = {lab for lab, _, is_uneven, _ in cuts if is_uneven}
+            if any(dm.inputs and lab not in in_labels or dm.uneven_labels is not None and lab not in dm.uneven_labels
+                   for lab in uneven) or dm.uneven < max(
+                    (sum(lab in uneven for lab in labs) for labs, _ in tensors), default=0):
+                continue
+            units = {lab: u for lab, u, _, _ in cuts}
+            ins = [_spec_for(labs, shape, assign, units, dm.reduce, True, i, dm.factors)
+                   for i, (labs, shape) in enumerate(zip(dm.inputs, dm.in_shapes))]
+            outs = [_spec_for(labs, shape, assign, units, dm.reduce, False, i)
+                    for i, (labs, shape) in enumerate(zip(dm.outputs, dm.out_shapes))]
+            if any(s is None for s in outs):
+                continue
+            result.append(Strategy(tuple(ins), tuple(outs), math.prod(work for _, _, _, work in cuts)))
     return result
 
 
-def _uneven_ok(assign, label, sizes: set[int], pieces: int) -> bool:
-    """Whether ``label`` may be cut unevenly into ``pieces``: by one mesh axis, with the same
-    size in every tensor (so that the pieces of all of them correspond), none left empty."""
-    axes = sum(1 for k, v in assign if k == "label" and v == label)
-    return axes == 1 and len(sizes) == 1 and chunk_ok(next(iter(sizes)), pieces)
-
-
-def _work_split(sizes: set[int], pieces: int) -> int | float:
-    """Global over the largest device's extent of a label cut into ``pieces``: ``pieces`` for
-    an even split, ``s / ceil(s / pieces)`` (a float, a little less) for an uneven one."""
-    s = max(sizes)
-    return pieces if s % pieces == 0 else s / -(-s // pieces)
+def _cuts(sizes: set[int], base: dict[int, int], pieces: int, axes: int, candidates: dict) -> list[tuple]:
+    """The ways to cut a label whose dims have ``sizes`` into ``pieces`` (by ``axes`` mesh
+    axes), each ``(units, uneven, work)``: rows per unit by size (absent: 1), whether the cut
+    is uneven, and the work split (global over the largest piece: ``pieces`` when even,
+    ``K / ceil(K / pieces)`` for ``K`` units, a float a little less, when uneven). Even when
+    ``pieces`` divides every size; unevenly only by one mesh axis, with every dim the same
+    number of units (of ``base``, else of 1) and no device left empty (so that the pieces of
+    all tensors correspond); and, for a label of one size, in each offered candidate unit
+    that the pieces do not divide (even when they divide the size: 20 = 5 heads of 4 on 2
+    devices is 12 and 8, besides 10 and 10)."""
+    even = all(s % pieces == 0 for s in sizes)
+    cuts = [({}, False, pieces)] if even else []
+    if axes != 1:
+        return cuts
+    options = [] if even else [base] if base else [{}]
+    if len(sizes) == 1 and not base:
+        s = next(iter(sizes))
+        options += [{s: u} for u in candidates.get(s, ()) if s % u == 0 and (s // u) % pieces]
+    for units in options:
+        counts = {s // units.get(s, 1) for s in sizes}
+        k = next(iter(counts))
+        if len(counts) == 1 and all(s % units.get(s, 1) == 0 for s in sizes) and chunk_ok(k, pieces):
+            cuts.append((units, True, k / -(-k // pieces)))
+    return cuts

@@ -18,7 +18,7 @@ from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy, enumerate_strategies
 from ..graph import tensor_inputs
 from .records import is_pointwise, record_of
-from .rules import POINTWISE_RECORD, REPLICATE_ONLY
+from .rules import POINTWISE_RECORD, REPLICATE_ONLY, unit_candidates
 from .torch_registry import registry_strategies
 
 RULE = "rule"
@@ -46,7 +46,8 @@ def _partial_ok(strategy: Strategy, in_dtypes, out_dtypes) -> bool:
     return True
 
 
-def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Strategy], str]:
+def node_strategies(node: fx.Node, mesh_shape: Sequence[int],
+                    unit_candidates: dict | None = None) -> tuple[list[Strategy], str]:
     """The strategies of an annotated ``call_function`` node on a mesh, and their source.
 
     The source is :data:`RULE` when a rule of ours covers the node (the rule of the op's
@@ -60,6 +61,8 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Stra
     Args:
         node: a node of a graph annotated by :func:`~autoparallel.tracer.annotate.annotate_graph`.
         mesh_shape: devices per mesh axis.
+        unit_candidates: size → rows per unit a rule's label may be cut in
+            (:func:`~autoparallel.strategies.rules.unit_candidates` of the graph).
 
     Raises:
         ShardingRuleError: the node's rule raised; the message names the node, op and module path.
@@ -78,7 +81,7 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Stra
 
     source = REPLICATED_BY_RULE
     record = record_of(node.target)
-    strategies = usable(_rule_strategies(record, node, in_shapes, out_shapes, mesh_shape))
+    strategies = usable(_rule_strategies(record, node, in_shapes, out_shapes, mesh_shape, unit_candidates))
     if record is not None:
         source = RULE
     if not strategies and node.target not in REPLICATE_ONLY:
@@ -92,7 +95,8 @@ def node_strategies(node: fx.Node, mesh_shape: Sequence[int]) -> tuple[list[Stra
     return strategies, source
 
 
-def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape) -> list[Strategy] | None:
+def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape,
+                     unit_candidates=None) -> list[Strategy] | None:
     """The strategies ``record``'s rule gives ``node`` (``None`` without a record)."""
     if record is None:
         return None
@@ -102,7 +106,7 @@ def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape) -
         raise ShardingRuleError(
             f"sharding rule for {node.target} failed on node {node.name} "
             f"(module {node_info(node).module_path or '<root>'}): {type(e).__name__}: {e}") from e
-    return enumerate_strategies(res, mesh_shape) if isinstance(res, DimMap) else res
+    return enumerate_strategies(res, mesh_shape, unit_candidates) if isinstance(res, DimMap) else res
 
 
 def _param_spec_ok(shape, spec, mesh_shape) -> bool:
@@ -155,11 +159,13 @@ class StrategyGenerator:
         self.fallbacks: dict[str, set[str]] = defaultdict(set)
         self.registry_ops: dict[str, set[str]] = defaultdict(set)
         self._cache: dict = {}
+        self._units: dict = {}  # the graph's unit candidates (rules.unit_candidates), set by generate
 
     def generate(self, gm: fx.GraphModule) -> dict[fx.Node, list[Strategy]]:
         nd = len(self.mesh_shape)
         repl = (R,) * nd
         out: dict[fx.Node, list[Strategy]] = {}
+        self._units = unit_candidates(gm)
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -192,9 +198,9 @@ class StrategyGenerator:
 
     def _op_strategies(self, node: fx.Node, info) -> list[Strategy]:
         ins = [n for _, n in tensor_inputs(node)]
-        key = _key(node, _shapes(ins), [s for s, _ in info.outputs])
+        key = _key(node, _shapes(ins), [s for s, _ in info.outputs]), tuple(self._units.items())
         if key not in self._cache:
-            self._cache[key] = node_strategies(node, self.mesh_shape)
+            self._cache[key] = node_strategies(node, self.mesh_shape, self._units)
         strategies, source = self._cache[key]
         record = {REGISTRY: self.registry_ops, FALLBACK: self.fallbacks}.get(source)
         if record is not None:

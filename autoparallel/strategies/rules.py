@@ -110,11 +110,16 @@ linearity is not known)."""
 
 
 # ---------------------------------------------------------------- shape ops
-def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
+def view_dims(in_shape, out_shape) -> tuple[tuple, tuple, dict]:
     """Labels for a view from ``in_shape`` to ``out_shape``: each group of dims whose
-    products match shares one label on its first non-unit dim on both sides."""
+    products match shares one label on its first non-unit dim on both sides; and the
+    ``DimMap.units`` of the groups whose first dims differ in size: a block of ``L``
+    elements, ``L`` the least common multiple of the rows of the two first dims (the product
+    of the group's later dims on each side), is ``L / rows`` rows of each (``[200] → [25,
+    8]``: 8 and 1, the label counting heads on both sides; ``[B, S] → [B·S]``: 1 and ``S``)."""
     lin = [None] * len(in_shape)
     lout = [None] * len(out_shape)
+    units = {}
     ii = [d for d, s in enumerate(in_shape) if s != 1]
     oo = [d for d, s in enumerate(out_shape) if s != 1]
     i = j = 0
@@ -132,10 +137,31 @@ def view_dims(in_shape, out_shape) -> tuple[tuple, tuple]:
                 gj.append(oo[j])
                 pj *= out_shape[oo[j]]
         lin[gi[0]] = lout[gj[0]] = f"g{g}"
+        row_in = math.prod(in_shape[d] for d in gi[1:])
+        row_out = math.prod(out_shape[d] for d in gj[1:])
+        if row_in != row_out:
+            block = math.lcm(row_in, row_out)
+            units[f"g{g}"] = {in_shape[gi[0]]: block // row_in, out_shape[gj[0]]: block // row_out}
         g += 1
         i += 1
         j += 1
-    return tuple(lin), tuple(lout)
+    return tuple(lin), tuple(lout), units
+
+
+def unit_candidates(gm) -> dict[int, tuple[int, ...]]:
+    """Size → the rows per unit that the graph's views cut dims of that size in (from each
+    view's :func:`view_dims` units > 1): what a label of that size may also be cut in
+    (``enumerate_strategies``' ``unit_candidates``), so that a projection's 200 output
+    columns are cut in the heads of 8 that the ``view`` to ``[..., 25, 8]`` after it needs."""
+    found: dict[int, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEW_OPS and isinstance(node.args[0], torch.fx.Node):
+            _, _, units = view_dims(tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape))
+            for by_size in units.values():
+                for size, unit in by_size.items():
+                    if unit > 1:
+                        found.setdefault(size, set()).add(unit)
+    return {size: tuple(sorted(u)) for size, u in sorted(found.items())}
 
 
 def local_size(call: LocalCall):
@@ -167,8 +193,12 @@ def _local_sizes(call: LocalCall) -> list[int]:
 def view_rule(node, in_shapes, out_shapes):
     """Views and reshapes (capture rewrites ``view_as``, ``reshape_as`` and ``unflatten``
     into ``view``/``reshape`` to the output's shape: :mod:`autoparallel.tracer.decompose`)."""
-    lin, lout = view_dims(in_shapes[0], out_shapes[0])
-    return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=1)
+    lin, lout, units = view_dims(in_shapes[0], out_shapes[0])
+    return DimMap([lin], [lout], list(in_shapes), list(out_shapes), partial=[frozenset([0])], uneven=1,
+                  units=units)
+
+
+_VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 
 
 @record(aten.expand.default, local=local_size)
@@ -486,6 +516,10 @@ def embedding_rule(node, in_shapes, out_shapes):
 
 @record(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node, in_shapes, out_shapes):
+    """``scaled_dot_product_attention(q, k, v, mask)`` on ``[B, H, S, D]``: batch and heads
+    split with every operand (a causal query's sequence stays whole, else it may be split
+    with the mask); the heads also unevenly (each head's attention is independent: 25 heads
+    on 2 devices are 13 and 12, as cut in units of the head dim by the projections around)."""
     q, k, v = in_shapes[:3]
     is_causal = op_args(node)["is_causal"]
     lq = ("b", "h", None if is_causal else "sq", None)
@@ -497,7 +531,8 @@ def sdpa_rule(node, in_shapes, out_shapes):
         names = ("b", "h", lq[2], None)
         off = 4 - len(m)
         ins.append(tuple(names[off + j] if m[j] == full[off + j] and m[j] != 1 else None for j in range(len(m))))
-    return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes))
+    return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes), uneven=1,
+                  uneven_labels=frozenset({"h"}))
 
 
 def local_conv(call: LocalCall):
