@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from . import cache, errors, precision, progress
+from . import cache, errors, precision, progress, recipes
 from .codegen import ParallelModule
 from .constraints import cache_key as constraints_key, resolve as resolve_constraints
 from .constraints import restrict as restrict_strategies
@@ -53,9 +53,10 @@ log = logging.getLogger("autoparallel")
 def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_limit, parallelism,
                  share_layers, cache_dir, memory_budget=None, optimizer=DEFAULT_OPTIMIZER, device="cpu",
                  pinned: dict[str, Spec] | None = None, replicate_buffers: bool = False,
-                 outputs: str = "sharded", constraints=None, mp_policy=None):
-    """Plan a traced model (``outputs``, ``mp_policy``: as :func:`plan` takes them; ``traced``
-    captured under ``mp_policy``). ``pinned`` (parameter/buffer
+                 outputs: str = "sharded", constraints=None, mp_policy=None, baselines: bool = True):
+    """Plan a traced model (``outputs``, ``mp_policy``, ``baselines``: as :func:`plan` takes them;
+    ``traced`` captured under ``mp_policy``; no baselines for a plan with ``pinned``: a
+    new mode or input shape of a running module). ``pinned`` (parameter/buffer
     name → spec, as in ``Plan.param_placements``) keeps each parameter's and buffer's
     ``get_attr`` node at that spec; raises AutoParallelError when one is missing or has no
     such strategy.
@@ -65,10 +66,11 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     cost_model = cost_model or CostModel()
     user_pins = resolve_constraints(constraints, traced, mesh) if constraints else []
     budget = resolve_budget(memory_budget, lambda: preset_capacity(cost_model.device))
+    baselines = baselines and pinned is None
     options = {"strict": strict, "solver": solver, "parallelism": parallelism, "share_layers": share_layers,
                "memory_budget": budget, "optimizer": optimizer, "device": device,
                "replicate_buffers": replicate_buffers, "outputs": outputs,
-               "mp_policy": precision.policy_to_json(mp_policy)}
+               "mp_policy": precision.policy_to_json(mp_policy), "baselines": baselines}
     if pinned is not None:
         options["pinned"] = {k: spec_to_json(v) for k, v in sorted(pinned.items())}
     if user_pins:
@@ -95,6 +97,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     for node in strategies:
         if node.op == "get_attr" and node.target in written:
             strategies[node] = [s for s in strategies[node] if s.outputs[0] == repl]
+    unconstrained = {n: list(ss) for n, ss in strategies.items()}  # what the baselines narrow
     if parallelism == "data":  # (checked by check_planning_arguments: "auto", "data" or "fsdp")
         for node in strategies:
             if node.op == "get_attr":
@@ -133,6 +136,14 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     plan.mp_policy = mp_policy
     if user_pins:
         plan.solver_stats["placement_constraints"] = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
+    if baselines:
+        progress.stage("baselines")
+        t3 = time.perf_counter()
+        rows = recipes.price(traced, mesh, planner, unconstrained, solver=solver, time_limit=time_limit,
+                             memory_budget=budget, costs=plan.estimate["costs"])
+        plan.estimate["baselines"] = recipes.baselines(rows)
+        plan.solver_stats["baselines_s"] = time.perf_counter() - t3
+        log.info("baselines: %d recipes priced (%.2f s)", len(rows), plan.solver_stats["baselines_s"])
     cache.store(folder, key, plan)
     return plan
 
@@ -192,7 +203,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
          cache_dir=None, memory_budget: int | str | None = None, optimizer: str = DEFAULT_OPTIMIZER,
          device: str = "cpu", stamp_layers: bool = True, mesh: MeshSpec | None = None,
          share_blocks: bool | None = None, outputs: str = "sharded", constraints=None,
-         mp_policy: MixedPrecisionPolicy | None = None) -> Plan:
+         mp_policy: MixedPrecisionPolicy | None = None, baselines: bool = True) -> Plan:
     """Plan how to parallelize ``model`` without any process group.
 
     Args:
@@ -248,6 +259,14 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             input or output whose name matches the glob ``pattern`` is placed as given
             (text such as ``"S0(tp)"`` or a tuple of DTensor placements) and the rest is
             planned around them (grammar and matching: :mod:`autoparallel.constraints`).
+        baselines: also plan data parallelism and the other hand-written recipes of
+            :func:`autoparallel.recipes.recipes` (DDP, FSDP, Megatron TP, FSDP + TP) on the same
+            graph, strategies and costs, each as the plan solved with the recipe's constraints
+            (:func:`autoparallel.recipes.price`: no second trace or pricing, one ILP solve per
+            recipe), recorded in ``plan.estimate["baselines"]`` and printed by ``str(plan)``.
+            Costs one ILP solve per recipe: about 2/3 more planning time on GPT-2 small
+            and Llama-3-8B dims (docs/design.md, "Inspecting and steering the plan");
+            ``False`` leaves them out.
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
@@ -278,7 +297,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                      memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs,
-                     constraints=constraints, mp_policy=mp_policy)
+                     constraints=constraints, mp_policy=mp_policy, baselines=_flag("baselines", baselines))
     p.solver_stats["trace_s"] = t_trace
     return p
 
@@ -307,6 +326,16 @@ def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> M
     if not isinstance(mesh, MeshSpec):
         raise TypeError(f"{keyword} must be an autoparallel.MeshSpec, not {mesh!r}; pass a shape as mesh_shape=")
     return mesh
+
+
+def _flag(name: str, value) -> bool:
+    """``value`` of boolean keyword ``name``.
+
+    Raises:
+        TypeError: ``value`` is not a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return value
 
 
 def _renamed(fn: str, new_name: str, new, old_name: str, old, new_default=None):
@@ -357,7 +386,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                     replan: bool = False, check_batch_every: int = 100,
                     plan: Plan | str | None = None, bucket_cap_mb: float = 25,
                     share_blocks: bool | None = None, outputs: str = "sharded",
-                    constraints=None, mp_policy: MixedPrecisionPolicy | None = None) -> ParallelModule:
+                    constraints=None, mp_policy: MixedPrecisionPolicy | None = None,
+                    baselines: bool = True) -> ParallelModule:
     """Parallelize ``model`` over ``device_mesh``: the one line.
 
     Args:
@@ -390,6 +420,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
             ``"replicated"`` every output whole (see :func:`plan`). With ``plan=``, the
             plan's own ``plan.outputs`` applies.
         constraints: placements to keep, ``{pattern: placements}`` (see :func:`plan`).
+        baselines: price data parallelism and the hand-written recipes beside the plan (see
+            :func:`plan`; not for the plans of a new mode or input shape).
         mp_policy: mixed precision (see :func:`plan`): the module's parameters stay in the
             model's dtype (fp32 master weights for the optimizer), its forward casts them to
             ``param_dtype``; ignored when ``plan`` is given (its own policy applies).
@@ -438,7 +470,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, cost_model: C
                    memory_budget=_device_budget(memory_budget, device_mesh), optimizer=optimizer,
                    device=device_mesh.device_type,
                    replicate_buffers=not model.training, outputs=plan.outputs if plan is not None else outputs,
-                   constraints=constraints,
+                   constraints=constraints, baselines=_flag("baselines", baselines),
                    mp_policy=plan.mp_policy if plan is not None else precision.check_policy(mp_policy))
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         traced = _trace(model, meta_inputs, stamp_layers, options["mp_policy"], device_mesh.device_type)

@@ -36,7 +36,8 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.4.0"  # 0.4.0: alternatives, parameter names and memory timeline for summary/explain/plot
+VERSION = "0.5.0"  # 0.5.0: estimate["baselines"] (DDP and the recipes priced beside the plan) by default
+# 0.4.0: alternatives, parameter names and memory timeline for summary/explain/plot
 # 0.3.0: exposed gradient communication, plan.outputs, redistributions
 
 

@@ -461,6 +461,8 @@ class Plan:
         for k in ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes"):  # printed by table()
             if k in d["estimate"]:
                 _check(_is_number(d["estimate"][k]), "estimate", k, "a number", d["estimate"][k])
+        if "baselines" in d["estimate"]:
+            _check_baselines(d["estimate"]["baselines"])
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
@@ -488,6 +490,23 @@ def _is_number(v) -> bool:
 
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_baselines(base) -> None:
+    """``estimate["baselines"]`` (printed by the summary): recipe name → its estimate
+    (:func:`autoparallel.recipes.baselines`) or ``{"reason": text}``."""
+    _check(isinstance(base, dict), "estimate", "baselines", "an object", base)
+    for name, b in base.items():
+        where = f"estimate: baselines[{name!r}]"
+        if isinstance(b, dict) and "reason" in b:
+            _fields(b, ("reason",), where)
+            _check(isinstance(b["reason"], str), where, "reason", "text", b["reason"])
+            continue
+        _fields(b, ("step_time_s", "comm_s", "recompute_s", "peak_memory_bytes"), where)
+        for k in ("step_time_s", "comm_s", "recompute_s"):
+            _check(_is_number(b[k]) and b[k] >= 0, where, k, "seconds (a number >= 0)", b[k])
+        _check(b["peak_memory_bytes"] is None or _is_number(b["peak_memory_bytes"]), where, "peak_memory_bytes",
+               "a number or null", b["peak_memory_bytes"])
 
 
 def _check(ok: bool, where: str, field_name: str, expected: str, found) -> None:

@@ -18,42 +18,75 @@ of the recipes people write by hand:
   stored split over the first axes (FSDP) along its first dim that the split divides; the
   parameters Megatron splits are gathered over those axes for compute (read in their Megatron
   placement), the ones it replicates are read as the planner chooses (a row-parallel bias is
-  added as a pending sum, ``P(tp)``, so "read whole" cannot be asked of it).
+  added as a pending sum, ``P(tp)``, so "read whole" cannot be asked of it), and so is a fused
+  projection the tracer reads in slices (a slice of a tensor split along the sliced dim is no
+  local piece of it).
 
 Roles are found from the traced graph, not from module names: a *projection* is a 2-D
 parameter that a matrix product reads as its weight (``aten.linear``: ``[out, in]``;
 ``aten.mm``/``addmm``/``matmul``: ``[in, out]``, so GPT-2's ``Conv1D`` is one too), with the
-bias the same op adds; an *embedding* is a parameter ``aten.embedding`` reads. Within a
+bias the same op adds, read directly, through a mixed-precision cast or in slices (a fused
+projection split into parts by the tracer: one projection, placed by its first part); an *embedding* is a parameter ``aten.embedding`` reads. Within a
 repeated layer, projections are visited in graph order: one whose input depends (inside
 the layer) on a still open column-parallel projection is row-parallel and closes them,
 any other is column-parallel (attention q/k/v → o, MLP up/gate → down, BERT's split
 modules alike). The LM head is the projection outside the layers with the most output
 features when that equals the largest embedding's rows (the vocabulary).
 
-:func:`compare` prices the plan and every recipe with the same cost model: each recipe is
-:func:`autoparallel.plan` with its constraints, so a recipe's row is exactly the plan
-solved with those constraints.
+:func:`price` plans every recipe on the plan's own graph, strategies and costs (the plan's
+baselines, ``plan.estimate["baselines"]``, which ``str(plan)`` prints); :func:`compare` shows
+them as a table. A recipe's row is exactly the plan solved with its constraints.
 """
 
 from __future__ import annotations
 
+import contextvars
+import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .placement import format_spec
-from .errors import AutoParallelError
+from .constraints import resolve, restrict
+from .errors import AutoParallelError, InfeasiblePlanError
 from .graph import layer_of
 from .mesh import MeshSpec
 from .placement import R
+from .summary import fold
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default: (1, None), aten.addmm.default: (2, 0), aten.matmul.default: (1, None)}
 """Matrix products reading a weight ``[in, out]``: op → (weight position, bias position)."""
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def _read_as(param: fx.Node) -> fx.Node:
+    """The node ops read parameter ``param`` through: its mixed-precision cast (its only user,
+    a ``_to_copy``: :mod:`autoparallel.tracer.casts`) or ``param`` itself."""
+    users = list(param.users)
+    return users[0] if len(users) == 1 and users[0].target is aten._to_copy.default else param
+
+
+def _reads(read: fx.Node):
+    """``(value, user)`` for every op reading ``read`` (a parameter or its cast), and for each
+    slice of it (a fused projection split into parts, :mod:`autoparallel.tracer.fused`) every
+    op reading the slice."""
+    for user in read.users:
+        if user.target is aten.slice.Tensor:
+            yield from ((user, u) for u in user.users)
+        else:
+            yield read, user
+
+
+def _param_target(node) -> str | None:
+    """The parameter target ``node`` reads, directly or through its slice and cast, else ``None``."""
+    for op in (aten.slice.Tensor, aten._to_copy.default):
+        if isinstance(node, fx.Node) and node.target is op:
+            node = node.args[0]
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
 @dataclass
@@ -79,13 +112,15 @@ class Projection:
 class Roles:
     """What :func:`find_roles` found: projections, embedding tables (target → rows), the
     LM head's vocabulary (``None`` when there is no head), every parameter's target → shape,
-    and the tensor inputs (placeholder name → shape)."""
+    the tensor inputs (placeholder name → shape), and the fused projections' weights and
+    biases (read in slices)."""
 
     projections: list[Projection]
     embeddings: dict[str, int]
     vocab: int | None
     params: dict[str, tuple[int, ...]]
     inputs: dict[str, tuple[int, ...]]
+    fused: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -106,6 +141,7 @@ def find_roles(traced) -> Roles:
     projections: list[Projection] = []
     embeddings: dict[str, int] = {}
     inputs = {}
+    fused: set[str] = set()
     for node in traced.gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor):
@@ -115,11 +151,14 @@ def find_roles(traced) -> Roles:
         params[node.target] = tuple(val.shape)
         if len(val.shape) != 2:
             continue
-        for user in node.users:
-            proj = _projection(node, user)
+        for read, user in _reads(_read_as(node)):
+            proj = _projection(node, read, user)
+            if proj is not None and read.target is aten.slice.Tensor:
+                fused.update(t for t in (proj.weight, proj.bias) if t is not None)
             if proj is not None:
-                projections.append(proj)
-            elif user.target is aten.embedding.default and user.args[0] is node:
+                if all(p.weight != proj.weight for p in projections):  # a fused one: its first part
+                    projections.append(proj)
+            elif user.target is aten.embedding.default and user.args[0] is read:
                 embeddings[node.target] = val.shape[0]
     _layer_roles(projections)
     outside = [p for p in projections if p.layer is None]
@@ -129,14 +168,15 @@ def find_roles(traced) -> Roles:
         rows = params[head.weight][head.out_dim]
         if rows == max(embeddings.values()):
             head.role, vocab = "head", rows
-    return Roles(projections, embeddings, vocab, params, inputs)
+    return Roles(projections, embeddings, vocab, params, inputs, fused)
 
 
-def _projection(weight: fx.Node, user: fx.Node) -> Projection | None:
-    """The projection ``weight`` is in ``user`` (through one transpose), or ``None``."""
+def _projection(weight: fx.Node, read: fx.Node, user: fx.Node) -> Projection | None:
+    """The projection ``weight`` (read as ``read``: itself or its cast) is in ``user``
+    (through one transpose), or ``None``."""
     transposed = user.target in _TRANSPOSES
     op = next(iter(user.users), None) if transposed and len(user.users) == 1 else user
-    src = user if transposed else weight
+    src = user if transposed else read
     if op is None or op.op != "call_function":
         return None
     if op.target is aten.linear.default and len(op.args) > 1 and op.args[1] is src:
@@ -148,8 +188,7 @@ def _projection(weight: fx.Node, user: fx.Node) -> Projection | None:
         return None
     if transposed:
         out_dim = 1 - out_dim
-    bias = bias.target if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
-    return Projection(weight.target, bias, out_dim, op, layer_of(op))
+    return Projection(weight.target, _param_target(bias), out_dim, op, layer_of(op))
 
 
 def _layer_roles(projections: list[Projection]) -> None:
@@ -206,8 +245,32 @@ def _tp_specs(roles: Roles) -> dict[str, int | None]:
 
 def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
     """The constraint sets of DDP, FSDP, Megatron TP and FSDP + TP (module docstring) for a
-    traced model on ``mesh``; a recipe that cannot be written has ``constraints=None`` and
-    its ``reason``."""
+    traced model on ``mesh``, the layers of a repeated list written once where they are placed
+    alike (``model.layers.*.mlp.up_proj.weight``); a recipe that cannot be written has
+    ``constraints=None`` and its ``reason``."""
+    return [replace(r, constraints=_folded(r.constraints)) if r.constraints else r for r in _recipes(traced, mesh)]
+
+
+def _folded(constraints: dict[str, str]) -> dict[str, str]:
+    """``constraints`` (one entry per tensor name) with the names that differ only in their
+    outermost layer index and are placed alike written as one glob, when it matches exactly
+    those names: a constraint set people read, and one pattern to match instead of one per
+    layer (matching is patterns × tensors)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, text in constraints.items():
+        groups.setdefault((fold(name)[0], text), []).append(name)
+    out = {}
+    for (key, text), names in groups.items():
+        pattern = key.format("*")
+        if len(names) > 1 and [n for n in constraints if fnmatch.fnmatchcase(n, pattern)] == names:
+            out[pattern] = text
+        else:
+            out.update(dict.fromkeys(names, text))
+    return out
+
+
+def _recipes(traced, mesh: MeshSpec) -> list[Recipe]:
+    """:func:`recipes` with one constraint per tensor name."""
     roles = find_roles(traced)
     names = mesh.axis_names
     nd, size = mesh.ndim, mesh.size
@@ -267,7 +330,9 @@ def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
             on[tp_axis] = d
         # read in its Megatron placement; one Megatron replicates (a row-parallel bias, a norm) is read as
         # the planner chooses: a row-parallel product adds its bias as a pending sum (P(tp)), not whole
-        both[t] = spec(on) + (f" -> {spec({tp_axis: d})}" if fs is not None and d is not None else "")
+        # a fused projection's parts slice the gathered weight, which a Megatron split cannot be read as
+        use = fs is not None and d is not None and t not in roles.fused
+        both[t] = spec(on) + (f" -> {spec({tp_axis: d})}" if use else "")
     if why:
         out.append(Recipe("FSDP + TP", None, why))
     else:
@@ -328,46 +393,119 @@ class Comparison:
         return "\n".join([head, _columns(table)] + notes + tail)
 
 
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("autoparallel_recipe_rows", default=None)
+"""Where :func:`price` also hands its rows (with their plans) while :func:`compare` runs."""
+
+
+def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limit: float,
+          memory_budget: int | None, costs: str) -> list[Row]:
+    """Every recipe of :func:`recipes` planned on the planner of a plan, without tracing or
+    pricing anything again: ``strategies`` (the plan's, before its own constraints) narrowed
+    by the recipe (:func:`autoparallel.constraints.restrict`), then
+    :meth:`~autoparallel.solver.planner.Planner.restricted` regroups followers and layers and
+    solves the ILP with the plan's memory budget and activation checkpointing, reusing the
+    memoized redistribution paths: the same steps as ``plan(constraints=recipe)``, so the
+    same plan. A recipe whose parameters and optimizer states alone, live through the whole
+    step, exceed ``memory_budget`` bytes per device gets that as its reason without a solve
+    (the planner's infeasibility search costs minutes at Llama-3-8B scale).
+
+    Args:
+        traced: the :class:`~autoparallel.tracer.capture.TracedModel` the plan was made from.
+        mesh: its mesh; planner: its :class:`~autoparallel.solver.planner.Planner`.
+        strategies: node → strategies of the plan before its constraints (not modified).
+        solver / time_limit / memory_budget: as the plan was solved (seconds, bytes).
+        costs: what priced the plan (``CostModel.describe()``), recorded in each row's plan.
+
+    Returns:
+        one :class:`Row` per recipe: its plan (``estimate`` and placements; no alternatives
+        or memory timeline), or why it cannot be expressed or planned.
+    """
+    rows = []
+    for r in recipes(traced, mesh):
+        if r.constraints is None:
+            rows.append(Row(r.name, None, r.reason))
+            continue
+        narrowed = {n: list(ss) for n, ss in strategies.items()}
+        try:
+            pins = resolve(r.constraints, traced, mesh)
+            restrict(narrowed, planner.aliases, pins, mesh.axis_names)
+            floor = resident_floor(planner.memory, narrowed) if planner.memory is not None else 0
+            if memory_budget is not None and floor > memory_budget:
+                raise InfeasiblePlanError(f"parameters and optimizer states alone take {floor / 2**30:.3g} GiB per "
+                                          f"device, over the {memory_budget / 2**30:.3g} GiB budget")
+            p = planner.restricted(narrowed).solve(solver=solver, time_limit=time_limit,
+                                                   memory_budget=memory_budget, inspect=False)
+        except AutoParallelError as e:
+            rows.append(Row(r.name, None, f"{type(e).__name__}: {e}"))
+            continue
+        p.estimate["costs"] = costs
+        p.solver_stats["placement_constraints"] = {q.pattern: q.text(mesh.axis_names) for q in pins}
+        rows.append(Row(r.name, p, notes=r.notes))
+    collector = _ROWS.get()
+    if collector is not None:
+        collector.extend(rows)
+    return rows
+
+
+def resident_floor(memory, strategies) -> int:
+    """Bytes per device that no choice among ``strategies`` brings below: the memory items
+    live through the whole step (parameters and optimizer states, :mod:`autoparallel.solver.memory`),
+    each at its smallest size over its owner's strategies. A lower bound of every plan's peak."""
+    last = memory.steps - 1
+    return sum(min(it.size(s) for s in strategies[it.owner]) for it in memory.items
+               if it.start == 0 and it.end == last and it.param is None and strategies.get(it.owner))
+
+
+def baselines(rows: list[Row]) -> dict[str, dict]:
+    """``plan.estimate["baselines"]``: recipe name → ``step_time_s``, ``comm_s``,
+    ``recompute_s`` (seconds), ``peak_memory_bytes``, or ``reason`` (text) when it has no plan."""
+    out = {}
+    for r in rows:
+        if r.plan is None:
+            out[r.name] = {"reason": r.reason}
+            continue
+        est = r.plan.estimate
+        out[r.name] = {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],
+                       "recompute_s": r.plan.checkpoint.recompute_s if r.plan.checkpoint else 0.0,
+                       "peak_memory_bytes": est.get("peak_memory_bytes")}
+    return out
+
+
 def compare(model, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None, **plan_options) -> Comparison:
     """Plan ``model`` and price every recipe of :func:`recipes` with the same options.
+
+    The recipes are the plan's baselines (:func:`price`, as :func:`autoparallel.plan` computes
+    them by default): one trace and one pricing, an ILP solve per recipe. Every row is solved:
+    the plan cache, which keeps no recipe plans, is neither read nor written.
 
     Args:
         model / meta_inputs / mesh_shape / mesh_spec: as :func:`autoparallel.plan`.
         plan_options: further :func:`autoparallel.plan` keywords (``cost_model``,
-            ``memory_budget``, ``cache_dir``, ...), the same for every row.
+            ``memory_budget``, ...), the same for every row.
 
     Returns:
-        a :class:`Comparison`; the plan (``.plan``) also gets
-        ``estimate["baselines"]``: recipe name → ``step_time_s``, ``comm_s``,
-        ``peak_memory_bytes`` (or ``reason``), which ``str(plan)`` prints.
+        a :class:`Comparison`; the plan (``.plan``) holds ``estimate["baselines"]``
+        (:func:`baselines`), which ``str(plan)`` prints.
 
     Raises:
-        TypeError: ``constraints`` among ``plan_options`` (a recipe is a constraint set).
+        TypeError: ``constraints`` or ``baselines`` among ``plan_options`` (a recipe is a
+            constraint set; the recipes are the baselines).
         The errors of :func:`autoparallel.plan` for the unconstrained plan; a recipe's
         ConstraintError or InfeasiblePlanError becomes its row's reason.
     """
-    from .api import _trace, plan
+    from .api import plan
 
-    if "constraints" in plan_options:
-        raise TypeError("compare() prices the unconstrained plan against the recipes: pass no constraints")
+    for key in ("constraints", "baselines"):
+        if key in plan_options:
+            raise TypeError(f"compare() prices the unconstrained plan against the recipes: pass no {key}")
     if mesh_spec is None:
         if mesh_shape is None:
             raise ValueError("compare() needs mesh_shape=(...) or mesh_spec=MeshSpec(...)")
         mesh_spec = MeshSpec(tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,))
-    best = plan(model, meta_inputs, mesh_spec=mesh_spec, **plan_options)
-    rows = [Row("autoparallel plan", best)]
-    traced = _trace(model, meta_inputs, plan_options.get("stamp_layers", True))
-    for r in recipes(traced, mesh_spec):
-        if r.constraints is None:
-            rows.append(Row(r.name, None, r.reason))
-            continue
-        try:
-            rows.append(Row(r.name, plan(model, meta_inputs, mesh_spec=mesh_spec, constraints=r.constraints,
-                                         **plan_options), notes=r.notes))
-        except AutoParallelError as e:
-            rows.append(Row(r.name, None, f"{type(e).__name__}: {e}"))
-    best.estimate["baselines"] = {
-        r.name: ({"step_time_s": r.plan.estimate["step_time_s"], "comm_s": r.plan.estimate["comm_s"],
-                  "peak_memory_bytes": r.plan.estimate.get("peak_memory_bytes")} if r.plan is not None
-                 else {"reason": r.reason}) for r in rows[1:]}
-    return Comparison(mesh_spec, rows)
+    rows: list[Row] = []
+    token = _ROWS.set(rows)
+    try:
+        best = plan(model, meta_inputs, mesh_spec=mesh_spec, **(plan_options | {"cache_dir": False}))
+    finally:
+        _ROWS.reset(token)
+    return Comparison(mesh_spec, [Row("autoparallel plan", best)] + rows)

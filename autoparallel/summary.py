@@ -5,8 +5,9 @@ Sections (:func:`summary`):
 * the mesh with its axis names and what priced the plan (a device preset or a profile);
 * the estimated step: compute, exposed communication and recomputation, seconds;
 * the modelled peak memory per device and its breakdown, against the budget if any;
-* the plan beside data parallelism and the hand-written recipes when
-  :func:`autoparallel.compare` priced them (``plan.estimate["baselines"]``);
+* the plan's step beside data parallelism's (DDP) and the fastest hand-written recipe's,
+  priced on the plan's own graph and costs (``plan.estimate["baselines"]``,
+  :func:`autoparallel.recipes.price`);
 * how each input is split (batch, sequence);
 * per kind of parameter, repeated layers folded (``h.{0..11}.attn.c_attn.weight``): its
   placement, and how it is used: as stored, stored sharded and all-gathered for compute,
@@ -133,17 +134,35 @@ def _memory(plan: "Plan") -> str:
 
 
 def _compared(plan: "Plan") -> str:
+    """Data parallelism (DDP) and the fastest hand-written recipe beside the plan's step, from
+    ``plan.estimate["baselines"]`` (:func:`autoparallel.recipes.baselines`)."""
     base = plan.estimate.get("baselines")
-    if not base:
-        return "compare with data parallelism and hand-written recipes: autoparallel.compare(model, meta_inputs, ...)"
+    if base is None:
+        return "data parallelism and hand-written recipes: not priced (plan(..., baselines=True) or autoparallel.compare)"
     step = plan.estimate.get("step_time_s", 0.0)
-    items = []
-    for name, b in base.items():
-        if "step_time_s" in b:
-            items.append(f"{name} {_s(b['step_time_s'])} ({b['step_time_s'] / step:.2f}x)" if step else name)
-        else:
-            items.append(f"{name}: not expressible")
-    return "this plan vs (same cost model, step): " + "; ".join(items)
+
+    def priced(name: str, b: dict) -> str:
+        extra = f", recomputing {_s(b['recompute_s'])}" if b.get("recompute_s") else ""
+        return f"{name} {_s(b['step_time_s'])} ({b['step_time_s'] / step:.2f}x{extra})" if step else name
+
+    done = {n: b for n, b in base.items() if "step_time_s" in b}
+    best = min(done, key=lambda n: done[n]["step_time_s"]) if done else None
+    ddp, parts = base.get("DDP"), []
+    if ddp is not None and "step_time_s" in ddp:
+        parts.append(priced("DDP", ddp) + (", the fastest recipe" if best == "DDP" else ""))
+    elif ddp is not None:
+        parts.append(f"DDP not possible ({_short(ddp['reason'])})")
+    if best is not None and best != "DDP":
+        parts.append("fastest recipe " + priced(best, done[best]))
+    missing = [n for n in base if n not in done and n != "DDP"]
+    if missing:
+        parts.append(f"not possible: {', '.join(missing)}")
+    return "vs this plan's step, same cost model: " + "; ".join(parts)
+
+
+def _short(reason: str) -> str:
+    """The first clause of a reason, for one summary line."""
+    return reason.split(": ", 1)[-1].split(";")[0][:80]
 
 
 def _inputs(plan: "Plan") -> str:

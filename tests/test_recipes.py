@@ -50,14 +50,15 @@ def test_recipe_constraints():
     by = {r.name: r for r in recipes(traced, MESH)}
     assert set(by) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
     ddp, fsdp, tp, both = (by[k].constraints for k in by)
-    assert ddp["model.layers.0.mlp.up_proj.weight"] == "R" and ddp["input_ids"] == "S0(dp) S0(tp)"
-    assert fsdp["model.layers.0.mlp.up_proj.weight"] == "S0(dp) S0(tp) -> R"
-    assert tp["model.layers.1.self_attn.q_proj.weight"] == "S0(tp)"  # column: output features
-    assert tp["model.layers.1.self_attn.o_proj.weight"] == "S1(tp)"  # row: input features
+    assert not any(".0." in k or ".1." in k for k in ddp)  # the two layers, placed alike, written once
+    assert ddp["model.layers.*.mlp.up_proj.weight"] == "R" and ddp["input_ids"] == "S0(dp) S0(tp)"
+    assert fsdp["model.layers.*.mlp.up_proj.weight"] == "S0(dp) S0(tp) -> R"
+    assert tp["model.layers.*.self_attn.q_proj.weight"] == "S0(tp)"  # column: output features
+    assert tp["model.layers.*.self_attn.o_proj.weight"] == "S1(tp)"  # row: input features
     assert tp["model.embed_tokens.weight"] == "S0(tp)" and tp["lm_head.weight"] == "S0(tp)"  # vocabulary
     assert tp["model.norm.weight"] == "R" and tp["input_ids"] == "S0(dp)"
-    assert both["model.layers.1.self_attn.o_proj.weight"] == "S0(dp) S1(tp) -> S1(tp)"
-    assert both["model.layers.1.self_attn.q_proj.weight"] == "S1(dp) S0(tp) -> S0(tp)"
+    assert both["model.layers.*.self_attn.o_proj.weight"] == "S0(dp) S1(tp) -> S1(tp)"
+    assert both["model.layers.*.self_attn.q_proj.weight"] == "S1(dp) S0(tp) -> S0(tp)"
     one_d = {r.name: r for r in recipes(traced, autoparallel.MeshSpec((4,), ("x",)))}
     assert one_d["FSDP + TP"].constraints is None and "2-D mesh" in one_d["FSDP + TP"].reason
     assert one_d["Megatron TP over x"].constraints["input_ids"] == "R"
@@ -84,9 +85,17 @@ def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
     assert again.param_placements == tp.plan.param_placements
     for r in c.rows[1:4]:
         assert r.plan.estimate["step_time_s"] >= c.plan.estimate["step_time_s"] * (1 - 1e-9)
-    base = c.plan.estimate["baselines"]
-    assert base["DDP"]["step_time_s"] == c.rows[1].plan.estimate["step_time_s"] and "reason" in base["FSDP + TP"]
-    assert "this plan vs (same cost model, step): DDP" in str(c.plan)
+    # plan() prices the same recipes by default: its baselines are compare()'s rows
+    base = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False).estimate["baselines"]
+    assert base == c.plan.estimate["baselines"] and list(base) == names[1:]
+    for r in c.rows[1:4]:
+        est = r.plan.estimate
+        assert base[r.name] == {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"], "recompute_s": 0.0,
+                                "peak_memory_bytes": est["peak_memory_bytes"]}
+    assert base["FSDP + TP"] == {"reason": c.rows[4].reason}
+    assert "vs this plan's step, same cost model: DDP" in str(c.plan)
+    with pytest.raises(TypeError, match="pass no baselines"):
+        compare(model, inputs, mesh_spec=mesh, baselines=False)
 
 
 @pytest.mark.slow
@@ -94,3 +103,33 @@ def test_compare_on_a_2d_mesh_every_recipe_expressible():
     c = compare(*_model("gpt2"), mesh_spec=MESH, cache_dir=False)
     assert all(r.plan is not None for r in c.rows), str(c)
     assert c.best_recipe() is not None
+
+
+def test_roles_through_mixed_precision_casts():
+    """Under a bf16 policy every parameter is read through its cast (tracer/casts.py)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model, inputs = _model("llama")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    roles = find_roles(_trace(model, inputs, True, policy))
+    assert "".join(p.role[0].upper() for p in roles.projections if p.layer == ("model.layers", 0)) == ROLES["llama"]
+    assert roles.vocab == 128 and [p.weight for p in roles.projections if p.role == "head"] == ["lm_head.weight"]
+
+
+@pytest.mark.slow
+def test_recipes_keep_repeated_layers_shared():
+    """A recipe pins the embedding, so the first layer's ops group differently from the
+    later ones (its input has one strategy): only the first layer of each template may leave
+    the shared variables (Planner._shared), not every later layer."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with torch.device("meta"):
+        model = hf_model("llama", layers=8)
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    c = compare(model, {"input_ids": ids, "labels": ids.clone()}, mesh_spec=MESH,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    free = c.plan.solver_stats["shared_nodes"]
+    per_layer = free // 6  # layers 2..7 share the variables of layers 0 and 1
+    for r in c.rows[1:]:
+        assert r.plan is not None, r.reason
+        assert r.plan.solver_stats["shared_nodes"] >= free - per_layer, (r.name, r.plan.solver_stats)

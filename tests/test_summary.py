@@ -1,6 +1,8 @@
 """str(plan) is a one-screen summary; plan.explain(name) gives the chosen strategy and the
 next best alternatives, taken from the solve."""
 
+import json
+
 import pytest
 import torch
 
@@ -46,7 +48,8 @@ def test_summary_folds_layers_and_names_every_parameter_kind(gpt2_plan):
             assert not any(kind.format(i) in text for i in range(4)), kind
     assert "transformer.h.{0..3}.attn.c_attn.weight" in text
     for part in ("estimated step", "compute", "exposed communication", "peak memory", "inputs", "input_ids [4, 16]",
-                 "collectives in transformer.h.2 (one of transformer.h.{0..3})", "autoparallel.compare"):
+                 "collectives in transformer.h.2 (one of transformer.h.{0..3})",
+                 "vs this plan's step, same cost model: DDP "):
         assert part in text, part
     assert " S0 " not in text and "S01" not in text  # placements carry mesh-axis names
     assert "(dp)" in gpt2_plan.table() or "(tp)" in gpt2_plan.table() or " R " in gpt2_plan.table()
@@ -102,3 +105,41 @@ def test_inspection_survives_json(gpt2_plan):
     again = autoparallel.Plan.from_json(gpt2_plan.to_json())
     assert str(again) == str(gpt2_plan)
     assert again.explain("transformer.h.1.mlp.c_fc.weight") == gpt2_plan.explain("transformer.h.1.mlp.c_fc.weight")
+
+
+def test_baselines_by_default_printed_and_cached(gpt2_plan, tmp_path):
+    base = gpt2_plan.estimate["baselines"]
+    assert set(base) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
+    step = gpt2_plan.estimate["step_time_s"]
+    done = {n: b for n, b in base.items() if "step_time_s" in b}
+    assert "DDP" in done and all(b["step_time_s"] >= step * (1 - 1e-9) for b in done.values())
+    line = next(ln for ln in str(gpt2_plan).splitlines() if ln.startswith("vs this plan's step"))
+    ddp = done["DDP"]["step_time_s"]
+    assert f"DDP {ddp * 1e3:.4g} ms ({ddp / step:.2f}x" in line
+    best = min(done, key=lambda n: done[n]["step_time_s"])
+    assert (", the fastest recipe" in line) == (best == "DDP") and best in line
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=2)
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    first = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)
+    again = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)
+    assert first.solver_stats["cache"] == "miss" and again.solver_stats["cache"] == "hit"
+    assert again.estimate["baselines"] == first.estimate["baselines"] and str(again) == str(first)
+    off = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=False)
+    assert off.solver_stats["cache"] == "miss" and "baselines" not in off.estimate  # its own cache entry
+    assert "data parallelism and hand-written recipes: not priced" in str(off)
+    with pytest.raises(TypeError, match="baselines must be True or False"):
+        autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=False, baselines="yes")
+
+
+@pytest.mark.parametrize("bad, field", [([1], "baselines must be an object"),
+                                        ({"DDP": {"step_time_s": -1.0, "comm_s": 0.0, "recompute_s": 0.0,
+                                                  "peak_memory_bytes": None}}, "step_time_s must be seconds"),
+                                        ({"DDP": {"reason": 3}}, "reason must be text"),
+                                        ({"DDP": {"step_time_s": 1.0}}, "missing field")])
+def test_plan_json_validates_baselines(gpt2_plan, bad, field):
+    d = json.loads(gpt2_plan.to_json())
+    d["estimate"]["baselines"] = bad
+    with pytest.raises(ValueError, match=field):
+        autoparallel.Plan.from_json(json.dumps(d))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import copy
 import functools
 import logging
 import math
@@ -112,9 +113,27 @@ class Planner:
         self.reduce_dtype = reduce_dtype
         self._layer = {n: layer_of(n) for n in self.nodes}
         self._pinned = aliased_edges(self.nodes)
+        self.share_layers = share_layers
         self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}
         self.memory = memory
         self.outputs, self.whole_outputs = outputs, frozenset(whole_outputs)
+
+    def restricted(self, strategies) -> "Planner":
+        """A planner of the same graph, cost model, memory model and options over
+        ``strategies``: the same nodes, each with a subset of its strategies here (e.g. a copy
+        that :func:`autoparallel.constraints.restrict` narrowed). It shares this planner's
+        memoized redistribution paths, so it prices no path twice (:mod:`autoparallel.recipes`
+        prices hand-written recipes beside the plan so).
+
+        Raises:
+            ValueError: ``strategies`` over other nodes than this planner's.
+        """
+        if list(strategies) != self.nodes:
+            raise ValueError("a restricted planner needs strategies for exactly the planner's nodes, in its order")
+        other = copy.copy(self)
+        other.strategies = strategies
+        other.template = layer_templates(self.nodes, strategies) if self.share_layers else self.template
+        return other
 
     def returned_spec(self, j: int, src: Spec) -> Spec:
         """The placements graph output ``j``, produced in ``src``, is returned in."""
@@ -253,15 +272,27 @@ class Planner:
         return root, fmap
 
     def _shared(self, root, fmap) -> dict[fx.Node, fx.Node]:
-        """The layer template of every node, dropping layers whose grouping differs."""
-        tmpl = dict(self.template)
-        bad = set()
-        for n, t in tmpl.items():
-            if t is not n and (tmpl.get(root[n]) is not root[t] or fmap[n] != fmap[t]):
-                bad.add(self._layer[n])
-        for n in tmpl:
-            if self._layer[n] in bad:
-                tmpl[n] = n
+        """The layer template of every node. A layer whose follower grouping differs from its
+        template's shares the variables of the first such layer of the same template that
+        groups alike, or keeps its own: the first layer reads values from outside the layers,
+        and when those are pinned (constraints, recipes) its nodes may follow differently from
+        every later layer, which must not unshare them all."""
+        orig = self.template
+        bad = {self._layer[n] for n, t in orig.items()
+               if t is not n and (orig.get(root[n]) is not root[t] or fmap[n] != fmap[t])}
+        tmpl = dict(orig)
+        by_layer: dict = {}  # bad layer -> its template's node -> its own node
+        for n, t in orig.items():
+            if t is not n and self._layer[n] in bad:
+                by_layer.setdefault(self._layer[n], {})[t] = n
+        leaders: list[dict] = []
+        for nodes in by_layer.values():
+            lead = next((c for c in leaders if c.keys() == nodes.keys() and all(
+                c.get(orig[root[n]]) is root[c[t]] and fmap[n] == fmap[c[t]] for t, n in nodes.items())), None)
+            if lead is None:
+                leaders.append(nodes)
+            for t, n in nodes.items():
+                tmpl[n] = n if lead is None else lead[t]
         return tmpl
 
     def build_problem(self) -> GroupedProblem:
@@ -399,7 +430,7 @@ class Planner:
                 ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
-              checkpointing: bool = True, max_rounds: int = 12) -> Plan:
+              checkpointing: bool = True, max_rounds: int = 12, inspect: bool = True) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
 
         Stage 1: the fastest plan; when its modelled peak is over budget, the memory at the
@@ -407,7 +438,9 @@ class Planner:
         ``max_rounds`` solves: :meth:`_stage1`) until the fastest fitting plan is found. When no
         sharding alone fits and ``checkpointing`` is on, stage 2 (:mod:`.remat`) picks
         activations to recompute on the plan of stage 1, re-solving stage 1 with a tighter
-        allowance a bounded number of times until the recomputation schedule fits.
+        allowance a bounded number of times until the recomputation schedule fits. ``inspect``
+        records what the summary, explain and plot read (:meth:`_inspectable`; about a tenth
+        of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
 
         Raises:
             InfeasiblePlanError: when no plan fits the budget; the message gives the
@@ -433,7 +466,8 @@ class Planner:
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
                                  memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats)
-        self._inspectable(plan, choice, built.edges, memory_budget)
+        if inspect:
+            self._inspectable(plan, choice, built.edges, memory_budget)
         return plan
 
     def _inspectable(self, plan: Plan, choice, edges, memory_budget) -> None:
