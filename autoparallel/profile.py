@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import cache
-from .solver.costs import COLLECTIVES, CollectiveTable, CommProfile, DevicePreset, profile_key
+from .solver.costs import COLLECTIVES, PROFILE_FORMAT, CollectiveTable, CommProfile, DevicePreset, profile_key
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ _MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # bf16's rate stands for every
 _MAX_MATMUL_N = 8192
 _BATCH_S = 1e-3  # a timed batch of back-to-back collectives lasts about this long or more
 _MAX_CALLS = 16
+_WINDOW_S = 0.03  # a timed sample of the device's rates repeats its op for at least this long
+_CHAIN = 32  # ops in the chain whose forward and backward time the per-op overhead
 
 
 def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calibration_budget: float = 2.0,
@@ -268,8 +270,14 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     doubling while the next fits in the dtype's share of the budget (up to 8192); the best
     median rate is kept (fp32, and bf16 for every 16-bit float). Memory bandwidth: a copy
     (2 bytes moved per byte) and a pointwise add (3) of a buffer far larger than caches; the
-    better rate. Memory: the device's total, or on CPU the host's divided by
-    ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson, CACM 2009.
+    better rate. Per-op overhead: a chain of 32 multiplications of a one-element tensor,
+    forward and backward, over its 64 calls (2.8 µs a forward call and 4.9 µs a backward one
+    on the 2-core test VM, torch 2.13; on a GPU, launches behind which no kernel runs
+    longer). Each rate is the median of 3 samples, each repeating its op for at least 30 ms:
+    longer than a scheduler's time slice, so processes that share cores (4 ranks on 2 cores)
+    measure their share and not a lucky slice alone. Memory: the device's total, or on CPU
+    the host's divided by ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson,
+    CACM 2009.
 
     Args:
         device: a ``torch.device`` or its string.
@@ -287,19 +295,43 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
     return DevicePreset(f"measured {_device_name(device.type)}", fp32, half,
-                        _memory_rate(device, share, ranks_on_host), float(memory))
+                        _memory_rate(device, share, ranks_on_host), float(memory), _op_overhead(device))
 
 
 def _median_time(fn, device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` samples, each calling it in
+    doubling batches until at least ``_WINDOW_S`` have passed (one synchronization per batch)."""
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
+        calls, batch = 0, 1
         _sync(device)
         t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
+        while True:
+            for _ in range(batch):
+                fn()
+            calls += batch
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= _WINDOW_S:
+                break
+            batch *= 2
+        samples.append(elapsed / calls)
     return max(statistics.median(samples), 1e-9)
+
+
+def _op_overhead(device: torch.device) -> float:
+    """Seconds per op call: a chain of ``_CHAIN`` multiplications of a one-element tensor,
+    its forward and its backward (``2 · _CHAIN`` calls), timed by :func:`_median_time`."""
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(_CHAIN):
+            y = torch.mul(y, 1.0)
+        y.backward()
+
+    return _median_time(chain, device) / (2 * _CHAIN)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> float:
@@ -308,10 +340,11 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> flo
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
+        t0 = time.perf_counter()
         t = _median_time(lambda: torch.mm(a, b, out=out), device)
         best = max(best, 2 * n**3 / t)
-        spent += 4 * t
-        if spent + 8 * 4 * t > budget:  # the next size does 8x the work
+        spent += time.perf_counter() - t0
+        if spent + 4 * max(8 * t, _WINDOW_S) > budget:  # the next size does 8x the work
             break
         n *= 2
     return best
@@ -333,16 +366,17 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
     threads, ranks per host), else measured on every rank at once (as training runs) and
     reduced to the slowest rank's."""
     kind = {"device_type": identity["device_type"], "device_name": identity["device_name"],
-            "torch": identity["torch"], "threads": torch.get_num_threads(), "ranks_on_host": _ranks_on_host(identity)}
+            "torch": identity["torch"], "threads": torch.get_num_threads(), "ranks_on_host": _ranks_on_host(identity),
+            "format": PROFILE_FORMAT}
     key = hashlib.sha256(json.dumps(kind, sort_keys=True).encode()).hexdigest()[:20]
     path = cache.profile_path(folder, f"device-{key}")
     text = _from_rank0(lambda: _cached_text(path, _device_from_json, "device profile"))
     if text is not None:
         return _device_from_json(text)
     mine = calibrate_device(device, time_budget=budget, ranks_on_host=kind["ranks_on_host"])
-    fp32, half, bw, mem = _agree([mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory], dist.ReduceOp.MIN,
-                                 device)
-    rates = DevicePreset(mine.name, fp32, half, bw, mem)
+    fp32, half, bw, mem, neg_overhead = _agree([mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory,
+                                                -mine.op_overhead], dist.ReduceOp.MIN, device)
+    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead)
     if dist.get_rank() == 0 and path is not None:
         cache.write_text(path, json.dumps(rates.to_json()), "device profile")
     return rates

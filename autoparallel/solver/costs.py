@@ -9,7 +9,8 @@ Formulas:
 * compute: roofline (Williams, Waterman, Patterson, CACM 2009) on local shapes,
   ``max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth)``; backward costs twice the
   forward FLOPs for matmul-like ops (one product for each input's gradient) and as much
-  as the forward for the others.
+  as the forward for the others; each call (the forward, each backward product) adds the
+  device's measured per-op overhead (``DevicePreset.op_overhead``: dispatch, launch).
 * collectives over a mesh axis of ``n`` devices with per-axis ``alpha`` (s) and ``beta``
   (s/byte), bandwidth terms of ring algorithms (Thakur, Rabenseifner, Gropp, IJHPCA 2005):
   all-reduce ``α + 2(n−1)/n·B·β`` (B = buffer bytes), all-gather ``α + (n−1)/n·B·β``
@@ -59,10 +60,14 @@ class DevicePreset:
         flops_half: dense bf16/fp16 FLOP/s.
         mem_bw: memory bandwidth in bytes/s.
         memory: device memory in bytes.
+        op_overhead: seconds one op call costs beside its arithmetic and memory traffic
+            (Python and dispatcher on a CPU, kernel launch on a GPU); an op's backward is
+            another call (:meth:`CostModel.compute_time`). 0 leaves it out.
 
     Raises:
         TypeError: a name that is not a string or a rate that is not a number.
-        ValueError: a rate that is not positive and finite.
+        ValueError: a rate that is not positive and finite, a negative or infinite
+            ``op_overhead``.
     """
 
     name: str
@@ -70,6 +75,7 @@ class DevicePreset:
     flops_half: float
     mem_bw: float
     memory: float
+    op_overhead: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -80,6 +86,11 @@ class DevicePreset:
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"DevicePreset: {what} must be positive and finite, got {v!r}")
+        v = self.op_overhead
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise TypeError(f"DevicePreset: op_overhead must be a number, not {v!r}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"DevicePreset: op_overhead must be >= 0 and finite, got {v!r}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -91,7 +102,7 @@ class DevicePreset:
         Raises:
             ValueError: not an object with exactly the fields of a preset, or a bad value.
         """
-        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory")
+        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead")
         if not isinstance(d, dict) or set(d) != set(names):
             raise ValueError(f"a device preset must be an object with the fields {names}, not {d!r}")
         try:
@@ -106,10 +117,14 @@ class DevicePreset:
 # (989 with sparsity), BF16/FP16 989.4 (1,979 with sparsity) TFLOPS, HBM3 3.35 TB/s.
 # compute_time() picks flops_half for ops whose output is bf16 or fp16 (a model in bf16, or
 # one planned under a mixed-precision policy: autoparallel.precision).
+# op_overhead: eager PyTorch on a GPU pays a kernel launch plus the dispatcher per op, a few
+# microseconds (5 us here, an order of magnitude, not a datasheet figure); the cpu preset's
+# 4 us is what calibrate_device measured on the 2-core test VM (torch 2.13: 2.8 us a
+# forward call, 4.9 us its backward). profile_mesh measures the real value.
 PRESETS = {
-    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30),
-    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30),
-    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30),
+    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6),
+    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6),
+    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -118,7 +133,7 @@ PROFILE_TOLERANCE = 0.25
 """Largest relative deviation ``|line(B) − t(B)| / t(B)`` over the measured sizes for which a
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
-PROFILE_FORMAT = 1  # version of the CommProfile JSON layout; part of the profile key
+PROFILE_FORMAT = 2  # 2: DevicePreset.op_overhead. Version of the CommProfile JSON layout; part of the profile key
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
@@ -558,7 +573,12 @@ class CostModel:
     # ------------------------------------------------------------ compute
     def compute_time(self, target, flops: float, nbytes: float, dtype: torch.dtype | None,
                      requires_grad: bool) -> float:
-        """Forward plus backward seconds of one op on one device.
+        """Forward plus backward seconds of one op on one device: the roofline time plus
+        ``device.op_overhead`` per call, the forward one call and its backward as many as
+        its products (two for a matmul-like op, one otherwise). The overhead adds: a CPU
+        runs each op's dispatch and kernel one after the other in the calling thread; on a
+        GPU a launch overlaps kernels that run longer, so there it over-estimates by up to
+        ``op_overhead`` per call.
 
         Args:
             target: the ATen op.
@@ -568,7 +588,7 @@ class CostModel:
             requires_grad: whether a backward runs.
         """
         peak = self.device.flops_half if dtype in (torch.float16, torch.bfloat16) else self.device.flops_fp32
-        fwd = max(flops / peak, nbytes / self.device.mem_bw)
+        fwd = max(flops / peak, nbytes / self.device.mem_bw) + self.device.op_overhead
         if not requires_grad:
             return fwd
         bwd = 2 * fwd if target in MATMUL_LIKE else fwd
