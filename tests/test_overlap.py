@@ -40,14 +40,16 @@ def test_buckets_follow_the_backward_and_respect_the_cap():
         grad_buckets(traced.gm, plan, set(traced.params), bucket_cap_bytes=0)
 
 
-def test_bucketed_reduction_keeps_gradients_and_accumulates(sim_mesh):
+@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+def test_bucketed_reduction_keeps_gradients_and_accumulates(sim_mesh, shape):
     """Several buckets reduced at the end of the backward give the single-device gradients,
-    also when two backward passes accumulate into .grad without zero_grad in between."""
-    mesh = sim_mesh((2,))
+    also when two backward passes accumulate into .grad without zero_grad in between; on
+    (2, 2) each bucket is replicated along both axes and reduced once over the world."""
+    mesh = sim_mesh(shape)
     ref = MLP(hidden=64, layers=4)
     model = copy.deepcopy(ref)
     x, y = torch.randn(8, 64), torch.randn(8, 64)
-    with LocalTensorMode(frozenset(range(2))):
+    with LocalTensorMode(frozenset(range(mesh.size()))):
         pmodel = autoparallel.autoparallelize(model, _mlp_inputs(), device_mesh=mesh, parallelism="data",
                                               bucket_cap_mb=0.02)
         assert pmodel.graph_module.code.count("reduce_grads_in_bucket(") >= 3
