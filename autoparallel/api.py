@@ -290,6 +290,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
                              parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                              memory_budget=memory_budget, optimizer=optimizer, device=device,
                              stamp_layers=stamp_layers, outputs=outputs, constraints=constraints)
+    baselines = _flag("baselines", baselines)
     t0 = time.perf_counter()
     mp_policy = precision.check_policy(mp_policy)
     traced = _trace(model, meta_inputs, stamp_layers, mp_policy, device)
@@ -297,7 +298,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     p = _plan_traced(traced, mesh, cost_model=cost_model, strict=strict, solver=solver,
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                      memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs,
-                     constraints=constraints, mp_policy=mp_policy, baselines=_flag("baselines", baselines))
+                     constraints=constraints, mp_policy=mp_policy, baselines=baselines)
     p.solver_stats["trace_s"] = t_trace
     return p
 

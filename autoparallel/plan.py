@@ -494,13 +494,19 @@ def _is_count(v) -> bool:
 
 def _check_baselines(base) -> None:
     """``estimate["baselines"]`` (printed by the summary): recipe name → its estimate
-    (:func:`autoparallel.recipes.baselines`) or ``{"reason": text}``."""
+    (:func:`autoparallel.recipes.baselines`), ``{"step_at_least_s": seconds}`` or
+    ``{"reason": text}``."""
     _check(isinstance(base, dict), "estimate", "baselines", "an object", base)
     for name, b in base.items():
         where = f"estimate: baselines[{name!r}]"
         if isinstance(b, dict) and "reason" in b:
             _fields(b, ("reason",), where)
             _check(isinstance(b["reason"], str), where, "reason", "text", b["reason"])
+            continue
+        if isinstance(b, dict) and "step_at_least_s" in b:
+            _fields(b, ("step_at_least_s",), where)
+            _check(_is_number(b["step_at_least_s"]) and b["step_at_least_s"] >= 0, where, "step_at_least_s",
+                   "seconds (a number >= 0)", b["step_at_least_s"])
             continue
         _fields(b, ("step_time_s", "comm_s", "recompute_s", "peak_memory_bytes"), where)
         for k in ("step_time_s", "comm_s", "recompute_s"):

@@ -52,6 +52,7 @@ from torch.distributed.tensor import Shard
 from .placement import format_spec
 from .constraints import resolve, restrict
 from .errors import AutoParallelError, InfeasiblePlanError
+from .solver.ilp import _fold_edges
 from .graph import layer_of
 from .mesh import MeshSpec
 from .placement import R
@@ -344,12 +345,14 @@ def _recipes(traced, mesh: MeshSpec) -> list[Recipe]:
 @dataclass
 class Row:
     """One line of a :class:`Comparison`: ``plan`` ``None`` when the recipe cannot be
-    expressed or planned (``reason``)."""
+    expressed or planned (``reason``), or was not planned because its step is at least
+    ``at_least_s`` seconds, more than a faster recipe's (:func:`price`)."""
 
     name: str
     plan: object | None
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    at_least_s: float | None = None
 
 
 @dataclass
@@ -405,9 +408,15 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
     :meth:`~autoparallel.solver.planner.Planner.restricted` regroups followers and layers and
     solves the ILP with the plan's memory budget and activation checkpointing, reusing the
     memoized redistribution paths: the same steps as ``plan(constraints=recipe)``, so the
-    same plan. A recipe whose parameters and optimizer states alone, live through the whole
-    step, exceed ``memory_budget`` bytes per device gets that as its reason without a solve
-    (the planner's infeasibility search costs minutes at Llama-3-8B scale).
+    same plan.
+
+    Two shortcuts, each exact about what it reports: a recipe whose parameters and optimizer
+    states alone (live through the whole step) exceed ``memory_budget`` gets that as its
+    reason without a solve (the planner's infeasibility search costs minutes at Llama-3-8B
+    scale); and outside :func:`compare`, which plans every recipe, DDP is planned and then
+    the others in order of a lower bound of their step (:func:`step_bound`), and a recipe
+    whose bound exceeds the fastest step found is not planned (``Row.at_least_s``): it cannot
+    be the fastest.
 
     Args:
         traced: the :class:`~autoparallel.tracer.capture.TracedModel` the plan was made from.
@@ -417,13 +426,16 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
         costs: what priced the plan (``CostModel.describe()``), recorded in each row's plan.
 
     Returns:
-        one :class:`Row` per recipe: its plan (``estimate`` and placements; no alternatives
-        or memory timeline), or why it cannot be expressed or planned.
+        one :class:`Row` per recipe, in :func:`recipes`' order: its plan (``estimate`` and
+        placements; no alternatives or memory timeline), or why it has none.
     """
-    rows = []
-    for r in recipes(traced, mesh):
+    collector = _ROWS.get()
+    rows: dict[str, Row] = {}
+    ready = []  # (not DDP, step bound, recipe, restricted planner, its problem, resolved constraints)
+    listed = recipes(traced, mesh)
+    for r in listed:
         if r.constraints is None:
-            rows.append(Row(r.name, None, r.reason))
+            rows[r.name] = Row(r.name, None, r.reason)
             continue
         narrowed = {n: list(ss) for n, ss in strategies.items()}
         try:
@@ -433,18 +445,45 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
             if memory_budget is not None and floor > memory_budget:
                 raise InfeasiblePlanError(f"parameters and optimizer states alone take {floor / 2**30:.3g} GiB per "
                                           f"device, over the {memory_budget / 2**30:.3g} GiB budget")
-            p = planner.restricted(narrowed).solve(solver=solver, time_limit=time_limit,
-                                                   memory_budget=memory_budget, inspect=False)
+            sub = planner.restricted(narrowed)
+            built = sub.build_problem()
+            ready.append((r.name != "DDP", step_bound(built.ilp), r, sub, built, pins))
         except AutoParallelError as e:
-            rows.append(Row(r.name, None, f"{type(e).__name__}: {e}"))
+            rows[r.name] = Row(r.name, None, f"{type(e).__name__}: {e}")
+    fastest = math.inf
+    for _, bound, r, sub, built, pins in sorted(ready, key=lambda x: x[:2]):
+        if collector is None and r.name != "DDP" and bound > fastest * (1 + 1e-9):
+            rows[r.name] = Row(r.name, None, f"not planned: its step is at least {bound:.4g} s, more than the "
+                                             f"fastest recipe's {fastest:.4g} s", r.notes, bound)
+            continue
+        try:
+            p = sub.solve(solver=solver, time_limit=time_limit, memory_budget=memory_budget, inspect=False,
+                          built=built)
+        except AutoParallelError as e:
+            rows[r.name] = Row(r.name, None, f"{type(e).__name__}: {e}")
             continue
         p.estimate["costs"] = costs
         p.solver_stats["placement_constraints"] = {q.pattern: q.text(mesh.axis_names) for q in pins}
-        rows.append(Row(r.name, p, notes=r.notes))
-    collector = _ROWS.get()
+        fastest = min(fastest, p.estimate["step_time_s"])
+        rows[r.name] = Row(r.name, p, notes=r.notes)
+    out = [rows[r.name] for r in listed]
     if collector is not None:
-        collector.extend(rows)
-    return rows
+        collector.extend(out)
+    return out
+
+
+def step_bound(problem) -> float:
+    """A lower bound of the step (s) of every plan of a sharding ILP
+    (:class:`~autoparallel.solver.ilp.ILPProblem`): each group at its cheapest strategy,
+    counting its own seconds and the redistributions on edges whose other side has one spec
+    class (folded into it, as the solver folds them); the other edges, exposed
+    communication, fixed charges and recomputation add seconds that are never negative.
+
+    Raises:
+        InfeasiblePlanError: a group with no possible strategy (as the solver would).
+    """
+    lin, _ = _fold_edges(problem)
+    return sum(min(c) for c in lin)
 
 
 def resident_floor(memory, strategies) -> int:
@@ -458,11 +497,13 @@ def resident_floor(memory, strategies) -> int:
 
 def baselines(rows: list[Row]) -> dict[str, dict]:
     """``plan.estimate["baselines"]``: recipe name → ``step_time_s``, ``comm_s``,
-    ``recompute_s`` (seconds), ``peak_memory_bytes``, or ``reason`` (text) when it has no plan."""
+    ``recompute_s`` (seconds), ``peak_memory_bytes``; ``step_at_least_s`` for a recipe not
+    planned because it cannot be the fastest (:func:`price`); or ``reason`` (text) when it
+    cannot be expressed or planned."""
     out = {}
     for r in rows:
         if r.plan is None:
-            out[r.name] = {"reason": r.reason}
+            out[r.name] = {"step_at_least_s": r.at_least_s} if r.at_least_s is not None else {"reason": r.reason}
             continue
         est = r.plan.estimate
         out[r.name] = {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],

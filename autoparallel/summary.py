@@ -154,7 +154,10 @@ def _compared(plan: "Plan") -> str:
         parts.append(f"DDP not possible ({_short(ddp['reason'])})")
     if best is not None and best != "DDP":
         parts.append("fastest recipe " + priced(best, done[best]))
-    missing = [n for n in base if n not in done and n != "DDP"]
+    slower = [f"{n} ≥ {b['step_at_least_s'] / step:.2f}x" for n, b in base.items() if "step_at_least_s" in b and step]
+    if slower:
+        parts.append(f"slower (bound, not planned): {', '.join(slower)}")
+    missing = [n for n, b in base.items() if "reason" in b and n != "DDP"]
     if missing:
         parts.append(f"not possible: {', '.join(missing)}")
     return "vs this plan's step, same cost model: " + "; ".join(parts)
@@ -162,7 +165,7 @@ def _compared(plan: "Plan") -> str:
 
 def _short(reason: str) -> str:
     """The first clause of a reason, for one summary line."""
-    return reason.split(": ", 1)[-1].split(";")[0][:80]
+    return reason.split(": ", 1)[-1].split(";")[0][:100]
 
 
 def _inputs(plan: "Plan") -> str:

@@ -85,24 +85,44 @@ def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
     assert again.param_placements == tp.plan.param_placements
     for r in c.rows[1:4]:
         assert r.plan.estimate["step_time_s"] >= c.plan.estimate["step_time_s"] * (1 - 1e-9)
-    # plan() prices the same recipes by default: its baselines are compare()'s rows
-    base = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False).estimate["baselines"]
-    assert base == c.plan.estimate["baselines"] and list(base) == names[1:]
+    # compare() plans every recipe; its plan's baselines are its rows
+    assert list(c.plan.estimate["baselines"]) == names[1:]
     for r in c.rows[1:4]:
         est = r.plan.estimate
-        assert base[r.name] == {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"], "recompute_s": 0.0,
-                                "peak_memory_bytes": est["peak_memory_bytes"]}
-    assert base["FSDP + TP"] == {"reason": c.rows[4].reason}
+        assert c.plan.estimate["baselines"][r.name] == {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],
+                                                        "recompute_s": 0.0, "peak_memory_bytes": est["peak_memory_bytes"]}
+    assert c.plan.estimate["baselines"]["FSDP + TP"] == {"reason": c.rows[4].reason}
+    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False), c)
     assert "vs this plan's step, same cost model: DDP" in str(c.plan)
     with pytest.raises(TypeError, match="pass no baselines"):
         compare(model, inputs, mesh_spec=mesh, baselines=False)
 
 
+def _check_plain_baselines(plan, c):
+    """``plan``'s default baselines against compare()'s rows: DDP and the fastest recipe
+    planned alike; a recipe left out for its bound is no faster than the bound says, and the
+    bound is above the fastest recipe's step."""
+    base = plan.estimate["baselines"]
+    assert list(base) == [r.name for r in c.rows[1:]] and "step_time_s" in base["DDP"]
+    fastest = c.best_recipe().plan.estimate["step_time_s"]
+    assert min(b["step_time_s"] for b in base.values() if "step_time_s" in b) == fastest
+    for r in c.rows[1:]:
+        b = base[r.name]
+        if "step_time_s" in b:
+            assert b["step_time_s"] == r.plan.estimate["step_time_s"] and b["comm_s"] == r.plan.estimate["comm_s"]
+        elif "step_at_least_s" in b:
+            assert fastest < b["step_at_least_s"] <= r.plan.estimate["step_time_s"] * (1 + 1e-9), (r.name, b)
+        else:
+            assert b == {"reason": r.reason}
+
+
 @pytest.mark.slow
 def test_compare_on_a_2d_mesh_every_recipe_expressible():
-    c = compare(*_model("gpt2"), mesh_spec=MESH, cache_dir=False)
+    model, inputs = _model("gpt2")
+    c = compare(model, inputs, mesh_spec=MESH, cache_dir=False)
     assert all(r.plan is not None for r in c.rows), str(c)
     assert c.best_recipe() is not None
+    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=False), c)
 
 
 def test_roles_through_mixed_precision_casts():

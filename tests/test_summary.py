@@ -113,13 +113,18 @@ def test_baselines_by_default_printed_and_cached(gpt2_plan, tmp_path):
     step = gpt2_plan.estimate["step_time_s"]
     done = {n: b for n, b in base.items() if "step_time_s" in b}
     assert "DDP" in done and all(b["step_time_s"] >= step * (1 - 1e-9) for b in done.values())
+    fastest = min(b["step_time_s"] for b in done.values())
+    assert all(b["step_at_least_s"] > fastest for b in base.values() if "step_at_least_s" in b)
     line = next(ln for ln in str(gpt2_plan).splitlines() if ln.startswith("vs this plan's step"))
     ddp = done["DDP"]["step_time_s"]
     assert f"DDP {ddp * 1e3:.4g} ms ({ddp / step:.2f}x" in line
     best = min(done, key=lambda n: done[n]["step_time_s"])
     assert (", the fastest recipe" in line) == (best == "DDP") and best in line
+    for name, b in base.items():
+        if "step_at_least_s" in b:
+            assert f"{name} ≥ {b['step_at_least_s'] / step:.2f}x" in line
     with torch.device("meta"):
-        model = hf_model("gpt2", layers=2)
+        model = hf_model("gpt2", layers=1)
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids.clone()}
     first = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)
@@ -134,6 +139,7 @@ def test_baselines_by_default_printed_and_cached(gpt2_plan, tmp_path):
 
 
 @pytest.mark.parametrize("bad, field", [([1], "baselines must be an object"),
+                                        ({"FSDP": {"step_at_least_s": "1"}}, "step_at_least_s must be seconds"),
                                         ({"DDP": {"step_time_s": -1.0, "comm_s": 0.0, "recompute_s": 0.0,
                                                   "peak_memory_bytes": None}}, "step_time_s must be seconds"),
                                         ({"DDP": {"reason": 3}}, "reason must be text"),

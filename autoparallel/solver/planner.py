@@ -430,7 +430,8 @@ class Planner:
                 ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
-              checkpointing: bool = True, max_rounds: int = 12, inspect: bool = True) -> Plan:
+              checkpointing: bool = True, max_rounds: int = 12, inspect: bool = True,
+              built: GroupedProblem | None = None) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
 
         Stage 1: the fastest plan; when its modelled peak is over budget, the memory at the
@@ -441,13 +442,14 @@ class Planner:
         allowance a bounded number of times until the recomputation schedule fits. ``inspect``
         records what the summary, explain and plot read (:meth:`_inspectable`; about a tenth
         of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
+        ``built``: this planner's :meth:`build_problem`, when the caller already built it.
 
         Raises:
             InfeasiblePlanError: when no plan fits the budget; the message gives the
                 smallest peak the planner can reach.
         """
         t0 = time.perf_counter()
-        built = self.build_problem()
+        built = built or self.build_problem()
         t_costs = time.perf_counter() - t0
         stage1 = functools.partial(self._stage1, built, solver=solver, time_limit=time_limit, max_rounds=max_rounds)
         found = stage1(memory_budget)
