@@ -143,3 +143,63 @@ def test_every_unit_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
     fn, specs = UNIT_SAMPLES[name]
     _, traced = _captured(fn, tuple(specs))
     assert _unit_cuts(gen.generate(traced.gm)) > 0  # the samples exercise cuts in units
+
+
+def _llama_25_heads():
+    """An unfused Llama with 25 heads of 8 (hidden 200): q, k, v projections of 200 each."""
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(hidden_size=200, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=25, num_key_value_heads=25, head_dim=8, vocab_size=64,
+                                            max_position_embeddings=32, use_cache=False))
+
+
+def _gpt2_25_heads():
+    """GPT-2 with 25 heads of 8 (n_embd 200): the fused ``c_attn`` split into q, k, v at capture
+    (autoparallel/tracer/fused.py)."""
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=200, n_head=25, vocab_size=64, n_positions=16,
+                                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, use_cache=False))
+
+
+def _heads_split(plan) -> list[str]:
+    """SDPA nodes whose 25 heads are split by one mesh axis (13 and 12 heads on 2 devices)."""
+    return [n.name for n in plan.nodes.values() if n.op == "scaled_dot_product_attention.default"
+            and n.out_shapes[0][1] == 25 and any(isinstance(p, Shard) and p.dim == 1 for p in n.output_specs[0])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_llama_25_heads, _gpt2_25_heads], ids=["llama", "gpt2"])
+def test_25_heads_split_on_2x2(build, sim_mesh):
+    """25 heads of 8 on (2, 2) with communication nearly free: attention splits its heads 13/12,
+    the heads are merged back in units of 8 (104 and 96 columns), the plan (units included)
+    survives JSON and validation (``plan=`` validates it against the captured graph), and the
+    loss and every gradient equal one device's over two SGD steps."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import autoparallel
+    from models import CheapComm
+    from test_parity import train_side_by_side
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    ref = build()
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 8), generator=g),
+                "labels": torch.randint(0, 64, (2, 8), generator=g)} for _ in range(2)]
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batches[0].items()}
+    mesh = sim_mesh((2, 2))
+    ranks = frozenset(range(4))
+    with LocalTensorMode(ranks):
+        planned = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, baselines=False,
+                                               cost_model=CheapComm("cpu"), cache_dir=False)
+        text = planned.plan.to_json()
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, plan=text)
+    assert '"S2u8"' in text, "the plan should cut the merged heads in units of 8"
+    assert _heads_split(pmodel.plan), "attention should split the 25 heads"
+    train_side_by_side(ref, pmodel, batches, ranks, lambda out: out.loss)

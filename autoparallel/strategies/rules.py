@@ -167,10 +167,18 @@ def unit_candidates(gm) -> dict[int, tuple[int, ...]]:
 def local_size(call: LocalCall):
     """``view``/``reshape``/``expand`` on one device: the size argument holds local sizes
     (``expand``'s ``-1``, "keep this dim", stays); the one dim split unevenly, whose size
-    differs between devices, is ``-1`` (inferred by ``view``, kept by ``expand``)."""
+    differs between devices, is ``-1`` (inferred by ``view``, kept by ``expand``). A
+    ``reshape`` with such a dim is a contiguous copy and a ``view``: the copy a reshape of
+    a transposed input makes anyway, explicit (the captured strides do not tell: SDPA's
+    output is laid out so that its transpose is contiguous on one device, not on pieces)."""
     name = "shape" if call.node.target == aten.reshape.default else "size"
     keep = call.node.target == aten.expand.default
     size = [-1 if keep and s == -1 else n for s, n in zip(call.bound()[name], _local_sizes(call))]
+    if call.node.target == aten.reshape.default and -1 in size:
+        # the copy a reshape of a transposed input makes (attention's heads merged back),
+        # explicit: LocalTensorMode does not implement that reshape on per-rank sizes ("NYI")
+        copy = call.call(aten.clone.default, (call.args[0],), {"memory_format": torch.contiguous_format})
+        return call.emit(aten.view.default, (copy, size), {})
     return call.emit(None, *call.with_arg(name, size))
 
 
