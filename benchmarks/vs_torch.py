@@ -434,7 +434,7 @@ def table(results: list[dict]) -> str:
         from tabulate import tabulate
     except ImportError:  # pragma: no cover (tabulate is a dependency of the project)
         tabulate = None
-    hdr = ["model", "config", "variant", "mesh", "s/step (median)", "fwd+bwd", "estimate", "est/meas",
+    hdr = ["model", "config", "variant", "mesh", "s/step (median)", "fwd+bwd", "optimizer", "estimate", "est/meas",
            "peak MiB", "loss0", "vs DDP", "vs best recipe"]
     rows, notes, checks = [], [], []
     for res in results:
@@ -452,7 +452,7 @@ def table(results: list[dict]) -> str:
             cfg = f"world {res['world']}, mesh {c}"
             for v in vs:
                 if v["na"]:
-                    rows.append([res["model"], cfg, v["name"], v["mesh"], "n/a", "", "", "", "", "", "", ""])
+                    rows.append([res["model"], cfg, v["name"], v["mesh"], "n/a", "", "", "", "", "", "", "", ""])
                     note = f"{res['model']} {v['name']}: n/a: {v['na']}"
                     if note not in notes:
                         notes.append(note)
@@ -460,7 +460,7 @@ def table(results: list[dict]) -> str:
                 t, fb, est = v["step_s"], v["fwd_bwd_s"], v["estimate_s"]
                 ok_loss = abs(v["loss0"] - res["ref_loss"]) <= 1e-4 * abs(res["ref_loss"]) + 1e-5
                 rows.append([
-                    res["model"], cfg, v["name"], v["mesh"], _fmt_s(t), _fmt_s(fb), _fmt_s(est),
+                    res["model"], cfg, v["name"], v["mesh"], _fmt_s(t), _fmt_s(fb), _fmt_s(t - fb), _fmt_s(est),
                     f"{est / fb:.2f}" if est and fb else "",
                     f"{v['peak_bytes'] / 2**20:.1f}" if v["peak_bytes"] else "?",
                     f"{v['loss0']:.4f}" + ("" if ok_loss else " (!)"),
@@ -510,7 +510,7 @@ def table(results: list[dict]) -> str:
         f"{', '.join(sorted({str(r.get('backend')) for r in results}))}",
         f"s/step: median over {r0.get('rounds')} interleaved rounds of the slowest rank's mean over {r0.get('steps')} "
         f"steps, after {r0.get('warmup')} warm-up steps; a step is forward, backward, AdamW step, zero_grad; "
-        f"fwd+bwd is its first part",
+        f"fwd+bwd is its first part, optimizer the rest (medians' difference)",
         "estimate: plan.estimate['step_time_s'] (forward + backward), est/meas = estimate / measured fwd+bwd; "
         f"cost model: {r0.get('cost_model')}" + (f"; links as planned: {'; '.join(links)}" if links else ""),
         f"peak MiB: per device, largest rank, {r0.get('memory')}; loss0: the step-0 loss of the global batch "
