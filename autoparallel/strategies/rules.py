@@ -527,7 +527,8 @@ def sdpa_rule(node, in_shapes, out_shapes):
     """``scaled_dot_product_attention(q, k, v, mask)`` on ``[B, H, S, D]``: batch and heads
     split with every operand (a causal query's sequence stays whole, else it may be split
     with the mask); the heads also unevenly (each head's attention is independent: 25 heads
-    on 2 devices are 13 and 12, as cut in units of the head dim by the projections around)."""
+    on 2 devices are 13 and 12, as cut in units of the head dim by the projections around),
+    unless the op draws dropout (random ops split evenly)."""
     q, k, v = in_shapes[:3]
     is_causal = op_args(node)["is_causal"]
     lq = ("b", "h", None if is_causal else "sq", None)
@@ -539,7 +540,8 @@ def sdpa_rule(node, in_shapes, out_shapes):
         names = ("b", "h", lq[2], None)
         off = 4 - len(m)
         ins.append(tuple(names[off + j] if m[j] == full[off + j] and m[j] != 1 else None for j in range(len(m))))
-    return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes), uneven=1,
+    random = bool(op_args(node)["dropout_p"])  # random ops split evenly, as in pointwise_dimmap
+    return DimMap(ins, [("b", "h", lq[2], None)], list(in_shapes), list(out_shapes), uneven=0 if random else 1,
                   uneven_labels=frozenset({"h"}))
 
 
