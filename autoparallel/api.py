@@ -264,9 +264,11 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             graph, strategies and costs, each as the plan solved with the recipe's constraints
             (:func:`autoparallel.recipes.price`: no second trace or pricing, one ILP solve per
             recipe), recorded in ``plan.estimate["baselines"]`` and printed by ``str(plan)``.
-            Costs one ILP solve per recipe: about 2/3 more planning time on GPT-2 small
-            and Llama-3-8B dims (docs/design.md, "Inspecting and steering the plan");
-            ``False`` leaves them out.
+            DDP is always planned, the other recipes unless a lower bound of their step
+            shows they cannot be the fastest. Costs a problem build per recipe and an ILP
+            solve per planned one: measured about +40 % planning time on GPT-2 small and
+            +80 % on Llama-3-8B dims (docs/design.md, "Inspecting and steering the plan",
+            Baselines); ``False`` leaves them out.
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
