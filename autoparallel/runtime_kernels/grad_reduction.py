@@ -49,7 +49,9 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
     if not isinstance(p, DTensor):
         p.grad = local_grad if p.grad is None else p.grad + local_grad
         return
-    if p.grad is None:
+    if p.grad is None and local_grad.dtype == p.dtype:  # the parameter's spec: no autograd, 6 us instead of 45
+        p.grad = DTensor(local_grad, p._spec, requires_grad=False)
+    elif p.grad is None:
         p.grad = DTensor.from_local(local_grad, p.device_mesh, p.placements, run_check=False,
                                     shape=p.shape, stride=p.stride())
     else:
