@@ -92,8 +92,9 @@ def test_redistributor_reaches_unit_cuts():
 
 def _heads(x, w_in, w_out):
     """A projection to 5 heads of 4, per-head work, the heads merged and projected back."""
-    h = F.linear(x, w_in).view(3, 5, 5, 4).transpose(1, 2)  # [3, 5 heads, 5, 4]
-    h = (h * 2.0).tanh().transpose(1, 2).reshape(3, 5, 20)
+    b, s = x.shape[:2]
+    h = F.linear(x, w_in).view(b, s, 5, 4).transpose(1, 2)  # [b, 5 heads, s, 4]
+    h = (h * 2.0).tanh().transpose(1, 2).reshape(b, s, 20)
     return F.linear(h, w_out)
 
 
@@ -121,6 +122,9 @@ def _attention(x, wq, wk, wv, wo):
 # 20 columns, 5 heads of 4: on 2 devices 3 and 2 heads (12 and 8 columns, not 10 and 10)
 UNIT_SAMPLES = {
     "heads_linear_view": (_heads, [(3, 5, 20), (20, 20), (20, 20)]),
+    # batch and sequence even: on (2, 2) a 3-d linear's backward on an uneven batch compares
+    # per-rank sizes, which LocalTensorMode does not implement (plain uneven splits, not units)
+    "heads_linear_view_even_rows": (_heads, [(2, 4, 20), (20, 20), (20, 20)]),
     "heads_addmm_view": (_heads_addmm, [(3, 5, 20), (20, 20), (20,)]),
     "heads_matmul": (_heads_matmul, [(2, 4, 20), (2, 4, 20)]),
     "heads_attention": (_attention, [(2, 4, 20)] + [(20, 20)] * 4),
@@ -132,8 +136,8 @@ def _unit_cuts(gen_strategies) -> int:
                if any(isinstance(p, UnitShard) for p in spec))
 
 
-@pytest.mark.parametrize("name,mesh_shape", [(n, (2,)) for n in sorted(UNIT_SAMPLES)] +
-                         [pytest.param(n, (2, 2), marks=pytest.mark.slow) for n in ("heads_linear_view",)],
+@pytest.mark.parametrize("name,mesh_shape", [(n, (2,)) for n in sorted(UNIT_SAMPLES) if "even_rows" not in n] +
+                         [pytest.param(n, (2, 2), marks=pytest.mark.slow) for n in ("heads_linear_view_even_rows",)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_every_unit_strategy_matches_the_dense_op(name, mesh_shape, sim_mesh):
     """Every strategy of every node, unit cuts included, against the dense op (test_rules)."""
