@@ -154,13 +154,15 @@ def _compared(plan: "Plan") -> str:
         parts.append(f"DDP not possible ({_short(ddp['reason'])})")
     if best is not None and best != "DDP":
         parts.append("fastest recipe " + priced(best, done[best]))
-    slower = [f"{n} ≥ {b['step_at_least_s'] / step:.2f}x" for n, b in base.items() if "step_at_least_s" in b and step]
-    if slower:
-        parts.append(f"slower (bound, not planned): {', '.join(slower)}")
+    line = "vs this plan's step, same cost model: " + "; ".join(parts)
+    others = []
+    if step:
+        others = [f"{n} {b['step_time_s'] / step:.2f}x" for n, b in done.items() if n not in ("DDP", best)]
+        bounds = [f"{n} ≥ {b['step_at_least_s'] / step:.2f}x" for n, b in base.items() if "step_at_least_s" in b]
+        others += bounds[:-1] + [bounds[-1] + " (≥: a lower bound, not planned)"] if bounds else []
     missing = [n for n, b in base.items() if "reason" in b and n != "DDP"]
-    if missing:
-        parts.append(f"not possible: {', '.join(missing)}")
-    return "vs this plan's step, same cost model: " + "; ".join(parts)
+    others += [f"not possible: {', '.join(missing)}"] if missing else []
+    return line + ("\n  other recipes: " + "; ".join(others) if others else "")
 
 
 def _short(reason: str) -> str:
