@@ -155,3 +155,19 @@ def test_plan_json_validates_baselines(gpt2_plan, bad, field):
     d["estimate"]["baselines"] = bad
     with pytest.raises(ValueError, match=field):
         autoparallel.Plan.from_json(json.dumps(d))
+
+
+@pytest.mark.slow
+def test_autoparallelize_plans_baselines_unless_asked_not_to(sim_mesh):
+    torch.manual_seed(0)
+    model = hf_model("gpt2", layers=1)
+    ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    mesh = sim_mesh((2,))
+    on = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False)
+    assert "step_time_s" in on.plan.estimate["baselines"]["DDP"]
+    assert "vs this plan's step, same cost model: DDP" in str(on.plan)
+    off = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False, baselines=False)
+    assert "baselines" not in off.plan.estimate and "baselines_s" not in off.plan.solver_stats
+    with pytest.raises(TypeError, match="baselines must be True or False"):
+        autoparallel.autoparallelize(model, inputs, device_mesh=mesh, baselines=None)
