@@ -10,6 +10,16 @@ integral ``x`` these marginals force ``y`` to the product, so ``y`` can stay con
 in [0, 1]: only node variables are binary. Pairs with no redistribution are left out, which
 forbids them. Edges where one side has a single class fold into node costs.
 
+An edge may instead give its resharding as a flow (:class:`Flow`) over the graph whose
+nodes are the specs the tensor can take and whose arcs are one-step moves (a layout
+conversion's all-gathers, all-to-alls, slices, reductions), priced as the pairwise costs
+are: ``x_u`` supplies one unit at its spec, ``x_v`` demands it at its own, and the cheapest
+flow is the cheapest path, ``cost[o][i]``. With fractional ``x`` the cheapest flow is the
+transport cost between the two distributions under that shortest-path cost (a flow
+decomposes into paths, Ahuja, Magnanti, Orlin, "Network Flows", 1993, §3.5), which is what
+the pairwise ``y`` price too: both forms have the same LP relaxation and the same optimum,
+and the flow needs one variable per move instead of one per pair of classes.
+
 Two terms price communication that is not a plain sum over choices:
 
 * exposed communication (:func:`~autoparallel.solver.costs.exposed_comm_time`):
@@ -39,16 +49,33 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Flow:
+    """An edge's resharding as a flow over a spec graph (module docstring).
+
+    Attributes:
+        u_spec / v_spec: per spec class of the producer / consumer side, its graph node.
+        arcs: ``(a, b, seconds)``: a move from graph node ``a`` to ``b``; the cheapest path
+            from ``u_spec[o]`` to ``v_spec[i]`` must cost the edge's ``cost[o][i]``.
+    """
+
+    u_spec: list[int]
+    v_spec: list[int]
+    arcs: list[tuple[int, int, float]]
+
+
+@dataclass
 class ILPEdge:
     """Resharding between nodes ``u`` and ``v``: ``u_class[s]`` / ``v_class[s]`` map each
     strategy to its spec class; ``cost[o][i]`` is the seconds to convert class ``o`` to
-    class ``i`` (``inf`` when impossible)."""
+    class ``i`` (``inf`` when impossible). With ``flow``, the solver sees that flow instead
+    of one variable per pair of classes."""
 
     u: int
     v: int
     u_class: list[int]
     v_class: list[int]
     cost: list[list[float]]
+    flow: Flow | None = None
 
 
 @dataclass
@@ -221,7 +248,7 @@ class _Program:
         self.n_cont = 0
         objective = self._node_variables(lin)
         for k, e in enumerate(pair_edges):
-            objective += self._edge(k, e)
+            objective += self._edge(k, e) if e.flow is None else self._flow(k, e)
         if problem.minimize_memory:
             peak = pulp.LpVariable("peak_mib", lowBound=0)
             objective = [(peak, 1.0)]
@@ -282,6 +309,36 @@ class _Program:
             self.prob += self._marginal([y[o, i] for i in range(ni) if (o, i) in y], e.u, e.u_class, o), f"eu{k}_{o}"
         for i in range(ni):
             self.prob += self._marginal([y[o, i] for o in range(no) if (o, i) in y], e.v, e.v_class, i), f"ev{k}_{i}"
+        return objective
+
+    def _flow(self, k: int, e: ILPEdge) -> list[tuple]:
+        """Variables ``f ≥ 0`` per arc of edge ``k``'s flow, and per graph node the conservation
+        row: flow out − flow in = ``x_u`` supplied there − ``x_v`` demanded there; their
+        objective terms."""
+        rows: dict[int, list[tuple]] = {}
+        rhs: dict[int, float] = {}
+        objective = []
+        for a, (i, j, c) in enumerate(e.flow.arcs):
+            f = pulp.LpVariable(f"f{k}_{a}", lowBound=0)
+            self.n_cont += 1
+            if c:
+                objective.append((f, c * _SCALE))
+            rows.setdefault(i, []).append((f, 1))
+            rows.setdefault(j, []).append((f, -1))
+        for v, classes, node, sign in ((e.u, e.u_class, e.flow.u_spec, -1), (e.v, e.v_class, e.flow.v_spec, 1)):
+            for s, c in enumerate(classes):
+                xv = self.x[v].get(s)
+                if xv is None:
+                    continue
+                n = node[c]
+                if isinstance(xv, int):
+                    rhs[n] = rhs.get(n, 0.0) - sign * xv
+                    rows.setdefault(n, [])
+                else:
+                    rows.setdefault(n, []).append((xv, sign))
+        for n, terms in rows.items():
+            self.prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, f"flow{k}_{n}",
+                                           rhs.get(n, 0.0))
         return objective
 
     def _linear(self, row: list[list[float]], scale: float) -> tuple[list[tuple], float]:

@@ -32,13 +32,31 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..placement import P, R, Spec, is_valid, local_shape, shard, shard_axes, uneven_dims, unit_of
 from ..plan import Move
 from .costs import CostModel
+
+@dataclass
+class SpecGraph:
+    """The specs a tensor can take and the one-step moves between them (:meth:`Redistributor.graph`).
+
+    Attributes:
+        specs: the specs; ``specs[0]`` is the replicated one.
+        index: spec → its position in ``specs``.
+        arcs: ``(i, j, move)``: ``move`` turns ``specs[i]`` into ``specs[j]``.
+    """
+
+    specs: list[Spec]
+    index: dict[Spec, int]
+    arcs: list[tuple[int, int, Move]]
+
 
 _CONJUGATE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
               "all_reduce": "all_reduce"}
@@ -56,6 +74,8 @@ class Redistributor:
         self.cm = cost_model
         self.mesh_shape = cost_model.mesh.shape
         self._memo: dict = {}
+        self._graphs: dict = {}
+        self._distances: dict = {}
 
     def _neighbors(self, spec: Spec, shape, itemsize: int, is_float: bool, units: frozenset):
         ms = self.mesh_shape
@@ -135,6 +155,58 @@ class Redistributor:
                     heapq.heappush(heap, (c, next(counter), nxt))
         self._memo[key] = best
         return best
+
+    def graph(self, shape: Sequence[int], itemsize: int, is_float: bool, units: frozenset = frozenset()) -> SpecGraph:
+        """Every spec reachable from the replicated one and every move between two of them, for
+        tensors of ``shape`` (memoized; ``units`` as in :meth:`paths_from`)."""
+        key = (tuple(shape), itemsize, is_float, units)
+        hit = self._graphs.get(key)
+        if hit is not None:
+            return hit
+        specs = [tuple(R for _ in self.mesh_shape)]
+        index = {specs[0]: 0}
+        arcs = []
+        for i, spec in enumerate(specs):  # grows while it is walked: a breadth-first search
+            for move, nxt in self._neighbors(spec, shape, itemsize, is_float, units):
+                if nxt not in index:
+                    index[nxt] = len(specs)
+                    specs.append(nxt)
+                arcs.append((i, index[nxt], move))
+        graph = self._graphs[key] = SpecGraph(specs, index, arcs)
+        return graph
+
+    def distances(self, shape: Sequence[int], itemsize: int, is_float: bool, requires_grad: bool,
+                  units: frozenset = frozenset()) -> tuple[SpecGraph, np.ndarray]:
+        """The spec graph of :meth:`graph` and the cheapest seconds between every two of its specs,
+        ``d[i, j]`` from ``specs[i]`` to ``specs[j]`` (``inf`` when unreachable): the costs of
+        :meth:`paths_from`, all pairs at once by the Floyd-Warshall algorithm (Floyd, "Algorithm
+        97: Shortest path", CACM 1962) in numpy, memoized."""
+        key = (tuple(shape), itemsize, is_float, requires_grad, units)
+        hit = self._distances.get(key)
+        if hit is not None:
+            return hit
+        g = self.graph(shape, itemsize, is_float, units)
+        n = len(g.specs)
+        d = np.full((n, n), np.inf)
+        for i, j, move in g.arcs:
+            d[i, j] = min(d[i, j], self.move_cost(move, requires_grad))
+        np.fill_diagonal(d, 0.0)
+        for k in range(n):
+            np.minimum(d, d[:, k, None] + d[None, k, :], out=d)
+        self._distances[key] = g, d
+        return g, d
+
+    def cost(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool) -> float:
+        """Seconds of the cheapest redistribution (:meth:`redistribute`'s, from :meth:`distances`);
+        ``inf`` when impossible."""
+        if src == dst:
+            return 0.0
+        units = frozenset((p.dim, unit_of(p)) for p in dst if unit_of(p) > 1)
+        g, d = self.distances(shape, itemsize, is_float, requires_grad, units)
+        i, j = g.index.get(src), g.index.get(dst)
+        if i is None or j is None:  # a spec that the replicated one does not reach
+            return self.redistribute(shape, itemsize, is_float, src, dst, requires_grad)[0]
+        return float(d[i, j])
 
     def redistribute(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool
                 ) -> tuple[float, tuple[Move, ...]]:
