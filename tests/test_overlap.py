@@ -138,3 +138,58 @@ def test_bucket_buffer_is_reused_only_when_nobody_holds_it(tmp_path):
         assert all(torch.equal(p.grad, 4 * w) for p, w in zip(params, want))
     finally:
         dist.destroy_process_group()
+
+
+def test_input_collectives_are_issued_first_and_returned_sums_fused():
+    """A collective computed from the inputs alone (a loss's label count) is issued right after
+    the inputs, one reading a parameter stays; a pending sum returned whole becomes
+    reduced_output (no all-reduce in its backward)."""
+    from autoparallel.passes.overlap import overlap_collectives
+    from autoparallel.runtime_kernels import reduced_output, returned
+
+    g = torch.fx.Graph()
+    x, labels = g.placeholder("x"), g.placeholder("labels")
+    w = g.get_attr("w")
+    y = g.call_function(torch.ops.aten.mm.default, (x, w))
+    part = g.call_function(torch.ops.aten.sum.default, (y,))
+    kept = g.call_function(_c10d.all_reduce.default, (part, "sum", "1"))
+    part = g.call_function(_c10d.wait_tensor.default, (kept,))
+    count = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.ne.Scalar, (labels, -100)),))
+    total = g.call_function(_c10d.wait_tensor.default, (g.call_function(_c10d.all_reduce.default, (count, "sum", "1")),))
+    loss = g.call_function(torch.ops.aten.div.Tensor, (part, total))
+    loss = g.call_function(_c10d.wait_tensor.default, (g.call_function(_c10d.all_reduce.default, (loss, "sum", "1")),))
+    g.output((g.call_function(returned, (loss, 2)),))
+    stats = overlap_collectives(g)
+    assert stats["hoisted"] == 1 and stats["fused_returned_sums"] == 1, stats
+    nodes = list(g.nodes)
+    reduces = [n for n in nodes if n.target is _c10d.all_reduce.default]
+    assert len(reduces) == 2 and nodes.index(reduces[0]) < nodes.index(y) < nodes.index(reduces[1]) and reduces[1] is kept
+    assert [n.target for n in nodes if n.op == "call_function"][-1] is reduced_output
+
+
+@pytest.mark.slow
+def test_fused_returned_loss_keeps_parity(sim_mesh):
+    """GPT-2 (the benchmark's quick size) split by batch on (2,): its loss's label count is
+    all-reduced before the first layer and the loss returned through reduced_output; the loss
+    and every gradient equal one device's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import vs_torch
+
+    mesh = sim_mesh((2,))
+    ref, sizes = vs_torch.build_model("gpt2", True)
+    inputs = vs_torch.global_batch(sizes, torch.device("cpu"))
+    with LocalTensorMode(frozenset(range(2))):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(inputs), device_mesh=mesh,
+                                              parallelism="data", cost_model=autoparallel.CostModel("cpu"))
+        code = pmodel.graph_module.code
+        assert "reduced_output(" in code and code.index("all_reduce.default(") < code.index("addmm"), code
+        got = pmodel(**inputs).loss
+        got.backward()
+    want = ref(**inputs).loss
+    want.backward()
+    assert_close("loss", got.detach(), want.detach())
+    for name, p in pmodel.named_parameters():
+        assert_close(f"grad of {name}", p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)

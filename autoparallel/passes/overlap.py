@@ -9,10 +9,15 @@ after ``wait_tensor``. :func:`apply_plan` emits each wait right after its collec
 * starts the all-gather of a parameter kept sharded (FSDP-style, ZeRO-3: Rajbhandari et
   al., SC 2020, §5) one gather ahead: the gather of the next parameter is issued right
   after the previous gathered parameter becomes available, so it runs beside the compute
-  that uses the previous one (FSDP's forward prefetch, Zhao et al., VLDB 2023, §3.3.1).
+  that uses the previous one (FSDP's forward prefetch, Zhao et al., VLDB 2023, §3.3.1);
+* issues each collective computed from the inputs alone (no parameter: a loss's count of
+  labels that are not ignored) right after the graph's inputs, so the whole forward runs
+  while it is in flight and its wait no longer holds the ranks together late in the forward;
+* fuses a pending sum returned whole (``all_reduce`` → ``wait_tensor`` → ``returned``) into
+  :func:`~autoparallel.runtime_kernels.reduced_output`, whose backward needs no all-reduce.
 
-Only the order of the graph changes: every rank still issues the same collectives in the
-same order, and the values are the same. It runs on the top-level graph after
+Only the order of the graph changes (and the returned sum's backward): every rank still
+issues the same forward collectives in the same order, and the values are the same. It runs on the top-level graph after
 checkpointing, so checkpoint regions (sub-modules) keep their own order.
 """
 
@@ -21,8 +26,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..runtime_kernels import reduced_output, returned
+
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
+_COLLECTIVES = {_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
+                _c10d.all_to_all_single.default}
 
 
 def data_dependent(graph: fx.Graph) -> set[fx.Node]:
@@ -84,11 +93,76 @@ def _ancestors_after(node: fx.Node, pos: int, order: dict[fx.Node, int]) -> set[
     return out
 
 
+def hoist_input_collectives(graph: fx.Graph) -> int:
+    """Issue each collective whose value comes from the graph's inputs alone (no parameter,
+    buffer or constant among its ancestors) right after the inputs, with the ops preparing
+    its input, keeping the collectives' order. Returns how many moved earlier."""
+    anchor = max((n for n in graph.nodes if n.op == "placeholder"), default=None, key=list(graph.nodes).index)
+    if anchor is None:
+        return 0
+    from_state: set[fx.Node] = set()  # nodes computed (in part) from parameters, buffers or constants
+    for n in graph.nodes:
+        if n.op == "get_attr" or any(a in from_state for a in n.all_input_nodes):
+            from_state.add(n)
+    moved = 0
+    for c in [n for n in graph.nodes if n.op == "call_function" and n.target in _COLLECTIVES]:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        cone = _ancestors_after(c, order[anchor], order)
+        if c in from_state or any(not _movable(n) for n in cone):
+            continue
+        if all(order[n] == order[anchor] + 1 + i for i, n in enumerate(sorted(cone, key=order.__getitem__))):
+            anchor = c  # already right after the anchor
+            continue
+        for n in sorted(cone, key=order.__getitem__):
+            anchor.append(n)
+            anchor = n
+        moved += 1
+    return moved
+
+
+def _movable(node: fx.Node) -> bool:
+    """Whether ``node`` may run earlier: a call that writes nothing in place and draws no
+    random numbers (which would shift the random stream)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
+def fuse_returned_sums(graph: fx.Graph) -> int:
+    """Replace each ``returned(wait_tensor(all_reduce(x, "sum", g)), copies)`` whose
+    collective and wait have no other reader by ``reduced_output(x, g, copies)``. Returns
+    how many were replaced."""
+    fused = 0
+    for r in [n for n in graph.nodes if n.op == "call_function" and n.target is returned]:
+        w = r.args[0]
+        if not (isinstance(w, fx.Node) and w.target is _WAIT and len(w.users) == 1):
+            continue
+        ar = w.args[0]
+        if not (isinstance(ar, fx.Node) and ar.target is _c10d.all_reduce.default and len(ar.users) == 1
+                and ar.args[1] == "sum"):
+            continue
+        x, group = ar.args[0], ar.args[2]
+        with graph.inserting_before(r):
+            new = graph.call_function(reduced_output, (x, group, r.args[1]))
+        new.meta = dict(w.meta)
+        if ar.meta.get("comment"):
+            new.meta["comment"] = ar.meta["comment"]
+        r.replace_all_uses_with(new)
+        for n in (r, w, ar):
+            graph.erase_node(n)
+        fused += 1
+    return fused
+
+
 def overlap_collectives(graph: fx.Graph) -> dict[str, int]:
-    """Apply :func:`sink_waits` then :func:`prefetch_param_gathers` to ``graph`` (in this
-    order: a gather is issued after the previous gathered parameter's wait has moved to its
-    first reader, so at most one gather is ahead of the compute); the caller recompiles.
-    Returns the counts of moved nodes."""
-    stats = {"sunk_waits": sink_waits(graph), "prefetched_gathers": prefetch_param_gathers(graph)}
+    """Apply :func:`fuse_returned_sums`, :func:`hoist_input_collectives`, :func:`sink_waits`
+    then :func:`prefetch_param_gathers` to ``graph`` (in this order: a gather is issued after
+    the previous gathered parameter's wait has moved to its first reader, so at most one
+    gather is ahead of the compute); the caller recompiles. Returns the counts of moved nodes."""
+    stats = {"fused_returned_sums": fuse_returned_sums(graph), "hoisted": hoist_input_collectives(graph),
+             "sunk_waits": sink_waits(graph), "prefetched_gathers": prefetch_param_gathers(graph)}
     graph.lint()
     return stats

@@ -46,6 +46,39 @@ def param_local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+class _ReducedOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, copies):
+        import torch.distributed as dist
+
+        ctx.factor = dist.distributed_c10d._resolve_process_group(group).size() / copies
+        return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return per_rank(grad * ctx.factor), None, None
+
+
+def reduced_output(x: torch.Tensor, group: str, copies: int) -> torch.Tensor:
+    """``returned(wait_tensor(all_reduce(x, "sum", group)), copies)`` in one step, for a pending
+    sum returned whole over the ``n`` devices of ``group``: the same value, and the same
+    gradient without the all-reduce that autograd runs for the conjugate of the forward one.
+
+    The seed of a returned replicated value's gradient is the same on every device (DTensor's
+    convention, which :func:`returned` relies on), so that all-reduce of ``grad / copies``
+    over ``group`` is ``grad · n / copies`` on every device; computed locally, it saves a
+    collective (and a synchronization of the ranks) at the start of every backward.
+
+    Args:
+        x: the local summand (contiguous), a ``Partial`` value along ``group``'s mesh axis.
+        group: the c10d process-group name of that axis.
+        copies: as for :func:`returned`, the devices holding the returned value whole.
+    """
+    if x.requires_grad:
+        return _ReducedOutput.apply(x, group, copies)
+    return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group))
+
+
 def returned(x: torch.Tensor, copies: int) -> torch.Tensor:
     """Identity; the gradient that reaches it is divided by ``copies``: the product of the
     mesh sizes along the axes where the value is returned replicated (the number of devices
