@@ -26,16 +26,17 @@ Roles are found from the traced graph, not from module names: a *projection* is 
 parameter that a matrix product reads as its weight (``aten.linear``: ``[out, in]``;
 ``aten.mm``/``addmm``/``matmul``: ``[in, out]``, so GPT-2's ``Conv1D`` is one too), with the
 bias the same op adds, read directly, through a mixed-precision cast or in slices (a fused
-projection split into parts by the tracer: one projection, placed by its first part); an *embedding* is a parameter ``aten.embedding`` reads. Within a
-repeated layer, projections are visited in graph order: one whose input depends (inside
+projection split into parts by the tracer: one projection, placed by its first part); an
+*embedding* is a parameter ``aten.embedding`` reads. Within a repeated layer, projections are visited in graph order: one whose input depends (inside
 the layer) on a still open column-parallel projection is row-parallel and closes them,
 any other is column-parallel (attention q/k/v → o, MLP up/gate → down, BERT's split
 modules alike). The LM head is the projection outside the layers with the most output
 features when that equals the largest embedding's rows (the vocabulary).
 
-:func:`price` plans every recipe on the plan's own graph, strategies and costs (the plan's
-baselines, ``plan.estimate["baselines"]``, which ``str(plan)`` prints); :func:`compare` shows
-them as a table. A recipe's row is exactly the plan solved with its constraints.
+:func:`price` plans the recipes on the plan's own graph, strategies and costs: the plan's
+baselines (``plan.estimate["baselines"]``, :func:`baselines`), which ``str(plan)`` prints;
+:func:`compare` shows every recipe planned as a table. A recipe's plan is exactly the plan
+solved with its constraints.
 """
 
 from __future__ import annotations
@@ -437,16 +438,9 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
         if r.constraints is None:
             rows[r.name] = Row(r.name, None, r.reason)
             continue
-        narrowed = {n: list(ss) for n, ss in strategies.items()}
         try:
             pins = resolve(r.constraints, traced, mesh)
-            restrict(narrowed, planner.aliases, pins, mesh.axis_names)
-            floor = resident_floor(planner.memory, narrowed) if planner.memory is not None else 0
-            if memory_budget is not None and floor > memory_budget:
-                raise InfeasiblePlanError(f"parameters and optimizer states alone take {floor / 2**30:.3g} GiB per "
-                                          f"device, over the {memory_budget / 2**30:.3g} GiB budget")
-            sub = planner.restricted(narrowed)
-            built = sub.build_problem()
+            sub, built = _restricted_problem(planner, strategies, pins, mesh, memory_budget)
             ready.append((r.name != "DDP", step_bound(built.ilp), r, sub, built, pins))
         except AutoParallelError as e:
             rows[r.name] = Row(r.name, None, f"{type(e).__name__}: {e}")
@@ -470,6 +464,24 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
     if collector is not None:
         collector.extend(out)
     return out
+
+
+def _restricted_problem(planner, strategies, pins, mesh: MeshSpec, memory_budget: int | None):
+    """``(planner, its built problem)`` of ``strategies`` narrowed by ``pins`` (resolved
+    constraints).
+
+    Raises:
+        ConstraintError: a pin no strategy meets.
+        InfeasiblePlanError: parameters and optimizer states alone over ``memory_budget`` bytes.
+    """
+    narrowed = {n: list(ss) for n, ss in strategies.items()}
+    restrict(narrowed, planner.aliases, pins, mesh.axis_names)
+    floor = resident_floor(planner.memory, narrowed) if planner.memory is not None else 0
+    if memory_budget is not None and floor > memory_budget:
+        raise InfeasiblePlanError(f"parameters and optimizer states alone take {floor / 2**30:.3g} GiB per "
+                                  f"device, over the {memory_budget / 2**30:.3g} GiB budget")
+    sub = planner.restricted(narrowed)
+    return sub, sub.build_problem()
 
 
 def step_bound(problem) -> float:

@@ -10,7 +10,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -26,7 +25,7 @@ from .shared_layers import layer_templates
 from ..explain import alternatives
 from ..plot import memory_timeline
 from .costs import CostModel, exposed_comm_time
-from .ilp import FixedCharge, Flow, ILPEdge, ILPProblem, solve
+from .ilp import FixedCharge, ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
 from .rotor import InfeasibleBudget, solve as rotor_solve
@@ -216,37 +215,7 @@ class Planner:
         impossible on edges into in-place ops and their view chains (see aliased_edges)."""
         if src != dst and (key[0], key[1]) in self._pinned:
             return math.inf
-        shape, dtype = node_info(val[0]).outputs[val[1]]
-        return self.layout.cost(shape, dtype.itemsize, dtype.is_floating_point, src, dst, rg)
-
-    def _pair_edge(self, key, val, rg, gu: int, gv: int, src_specs: list[Spec], dst_specs: list[Spec]) -> ILPEdge:
-        """The ILP edge between groups ``gu`` and ``gv`` (both with a choice) on edge ``key``
-        (:meth:`_edge_cost`) for the specs its producer's and consumer's group strategies give
-        and ask for: costs per pair of spec classes from the tensor's distance matrix
-        (:meth:`~autoparallel.solver.layout.Redistributor.distances`), and, when the tensor's
-        spec graph has fewer useful moves than the edge has pairs of classes, the same costs
-        as a :class:`~autoparallel.solver.ilp.Flow` over those moves. Pinned edges (no
-        redistribution) and specs cut in units keep the pairwise form."""
-        o_cls, o_list = _classes(src_specs)
-        i_cls, i_list = _classes(dst_specs)
-        shape, dtype = node_info(val[0]).outputs[val[1]]
-        g, d = self.layout.distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
-        o_ids, i_ids = [g.index.get(s) for s in o_list], [g.index.get(s) for s in i_list]
-        if None in o_ids or None in i_ids or (key[0], key[1]) in self._pinned:  # unit cuts: not in g
-            cost = [[self._edge_cost(key, val, rg, o, i) for i in i_list] for o in o_list]
-            return ILPEdge(gu, gv, o_cls, i_cls, cost)
-        cost = d[np.ix_(o_ids, i_ids)]
-        flow = None
-        if len(o_list) > 1 and len(i_list) > 1:
-            sources, sinks = np.isfinite(d[o_ids]).any(axis=0), np.isfinite(d[:, i_ids]).any(axis=1)
-            arcs: dict[tuple[int, int], float] = {}
-            for a, b, move in g.arcs:  # moves from a source's reach into a sink's, no dearer than d
-                c = self.layout.move_cost(move, rg)
-                if sources[a] and sinks[b] and c <= d[a, b] and c < arcs.get((a, b), math.inf):
-                    arcs[a, b] = c
-            if len(arcs) < np.isfinite(cost).sum():
-                flow = Flow(o_ids, i_ids, [(a, b, c) for (a, b), c in arcs.items()])
-        return ILPEdge(gu, gv, o_cls, i_cls, cost.tolist(), flow)
+        return self._redistribute(val, rg, src, dst)[0]
 
     def _edges(self):
         """(consumer node, or None for the graph output; input position; value; requires_grad)."""
@@ -444,12 +413,13 @@ class Planner:
                 vec = [self._edge_cost(key, (tu, idx), rg, a, b) for a, b in zip(src_specs, dst_specs)]
                 acc[key] = [("internal", gu, vec), 1]
                 continue
+            o_cls, o_list = _classes(src_specs)
+            i_cls, i_list = _classes(dst_specs)
             if tc is None:  # a returned value: its target follows its source (returned_spec)
-                o_cls, o_list = _classes(src_specs)
                 cost = [[self._edge_cost(key, (tu, idx), rg, o, self.returned_spec(j, o))] for o in o_list]
-                acc[key] = [("edge", ILPEdge(gu, gv, o_cls, [0], cost)), 1]
             else:
-                acc[key] = [("edge", self._pair_edge(key, (tu, idx), rg, gu, gv, src_specs, dst_specs)), 1]
+                cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
+            acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
         for item, mult in acc.values():
             if item[0] == "internal":
                 for i, c in enumerate(item[2]):
@@ -457,8 +427,6 @@ class Planner:
             else:
                 e = item[1]
                 e.cost = [[c * mult for c in row] for row in e.cost]
-                if e.flow is not None:
-                    e.flow.arcs = [(a, b, c * mult) for a, b, c in e.flow.arcs]
                 ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
