@@ -153,3 +153,29 @@ def test_recipes_keep_repeated_layers_shared():
     for r in c.rows[1:]:
         assert r.plan is not None, r.reason
         assert r.plan.solver_stats["shared_nodes"] >= free - per_layer, (r.name, r.plan.solver_stats)
+
+
+def test_restricted_planner_keeps_layer_templates_only_when_they_hold():
+    """Planner.restricted reuses the plan's layer templates when the narrowed strategies sort
+    the layers into the same classes of strategy counts, else computes them again: either way
+    they are what layer_templates gives for the narrowed strategies."""
+    from autoparallel.constraints import resolve, restrict
+    from autoparallel.solver import CostModel
+    from autoparallel.solver.planner import Planner
+    from autoparallel.solver.shared_layers import layer_templates
+    from autoparallel.strategies import StrategyGenerator
+
+    traced = _trace(*_model("gpt2", layers=4), True)
+    gen = StrategyGenerator(MESH.shape)
+    strategies = gen.generate(traced.gm)
+    planner = Planner(traced.gm, strategies, gen.aliases, MESH, CostModel(), dict(traced.params))
+    sets = [r.constraints for r in recipes(traced, MESH) if r.constraints]
+    sets.append({"transformer.h.1.mlp.c_fc.weight": "S1(tp)"})  # one layer unlike the others
+    reused = []
+    for constraints in sets:
+        narrowed = {n: list(ss) for n, ss in strategies.items()}
+        restrict(narrowed, gen.aliases, resolve(constraints, traced, MESH), MESH.axis_names)
+        sub = planner.restricted(narrowed)
+        assert sub.template == layer_templates(planner.nodes, narrowed)
+        reused.append(sub.template is planner.template)
+    assert reused == [True] * (len(sets) - 1) + [False]
