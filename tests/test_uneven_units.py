@@ -207,3 +207,45 @@ def test_25_heads_split_on_2x2(build, sim_mesh):
     assert '"S2u8"' in text, "the plan should cut the merged heads in units of 8"
     assert _heads_split(pmodel.plan), "attention should split the 25 heads"
     train_side_by_side(ref, pmodel, batches, ranks, lambda out: out.loss)
+
+
+def test_plan_with_unit_cuts_round_trips_and_validates():
+    """A plan whose projection, view and attention cut 5 heads of 4 on 2 devices (``S2u4``
+    columns, ``S1`` heads) survives JSON and plan validation; the same plan with a parameter
+    stored in a unit cut, which DTensor cannot hold, is refused."""
+    import json
+
+    from autoparallel.errors import PlanMismatchError
+    from autoparallel.mesh import MeshSpec
+    from autoparallel.plan import Plan
+    from autoparallel.solver import CostModel
+    from autoparallel.solver.planner import Planner
+    from autoparallel.strategies import StrategyGenerator
+    from autoparallel.validate import validate_plan
+    from test_rules import _captured
+
+    fn, specs = UNIT_SAMPLES["heads_attention"]
+    _, traced = _captured(fn, tuple(specs))
+    gen = StrategyGenerator((2,))
+    strategies = gen.generate(traced.gm)
+    planner = Planner(traced.gm, strategies, gen.aliases, MeshSpec((2,)), CostModel(),
+                      dict(traced.params, **traced.buffers))
+    cut = (UnitShard(2, 4),)
+    choice = {n: next(s for s in ss if all(x == (R,) for x in s.inputs + s.outputs)) for n, ss in strategies.items()}
+    for n, ss in strategies.items():  # the q, k, v projections' columns cut in heads of 4
+        if n.target == torch.ops.aten.linear.default and n.meta["val"].shape[-1] == 20 and n.users and \
+                next(iter(n.users)).target == torch.ops.aten.view.default:
+            choice[n] = next(s for s in ss if s.outputs[0] == cut)
+    plan = planner.make_plan(choice)
+    text = plan.to_json()
+    assert '"S2u4"' in text
+    assert any(m.unit == 4 for c in plan.redistributions for m in c.moves)  # each weight sliced in heads
+    again = Plan.from_json(text)
+    assert again == plan
+    validate_plan(again, traced)
+    d = json.loads(text)
+    w = next(n for n in d["nodes"] if n["name"] == "t1")
+    w["output_specs"] = [["S0u4"]]
+    d["param_placements"]["t1"] = ["S0u4"]
+    with pytest.raises(PlanMismatchError, match="t1"):
+        validate_plan(Plan.from_json(json.dumps(d)), traced)
