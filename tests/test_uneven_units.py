@@ -47,6 +47,27 @@ def test_unit_notation_round_trips():
     assert Move("slice", 1, None, 2, 0).to_json() == ["slice", 1, None, 2, 0]  # plain cuts as before
 
 
+def test_engine_cuts_views_and_candidates_in_units():
+    from autoparallel.strategies.engine import DimMap, enumerate_strategies
+    from autoparallel.strategies.rules import view_dims
+
+    lin, lout, units = view_dims((3, 200), (3, 25, 8))
+    assert units == {lout[1]: {200: 8, 25: 1}}
+    dm = DimMap([lin], [lout], [(3, 200)], [(3, 25, 8)], uneven=1, units=units)
+    cuts = {(s.inputs[0], s.outputs[0]): s.split for s in enumerate_strategies(dm, (2,))}
+    assert cuts[((UnitShard(1, 8),), (Shard(1),))] == pytest.approx(25 / 13)  # 13 and 12 heads
+    assert ((Shard(1),), (Shard(1),)) not in cuts  # 100 | 100 columns are not whole heads
+    assert view_dims((2, 8, 200), (16, 200))[2] == {"g0": {2: 1, 16: 8}}  # [B, S] -> [B·S]: units of S
+    mm = DimMap([("m", "k"), ("k", "n")], [("m", "n")], [(3, 20), (20, 20)], [(3, 20)], reduce=frozenset({"k"}),
+                uneven=2)
+    plain = {s.outputs[0] for s in enumerate_strategies(mm, (2,))}
+    offered = {s.outputs[0]: s for s in enumerate_strategies(mm, (2,), {20: (4,)})}
+    assert set(offered) - plain == {(UnitShard(1, 4),)}  # n in 5 heads of 4: 12 | 8 columns
+    contracted = next(s for s in offered.values() if s.inputs == ((UnitShard(1, 4),), (UnitShard(0, 4),)))
+    assert contracted.outputs == ((P,),)  # k cut in units: partial sums
+    assert all(s.outputs[0] != (UnitShard(1, 4),) for s in enumerate_strategies(mm, (4,), {20: (4,)}))  # 2,2,1,0
+
+
 # on a (2, 2) mesh, as test_layout_moves.CASES; a move is (kind, axis, src dim, dst dim[, unit])
 UNIT_MOVES = {
     "slice dim 1 in units of 4 (5 units: 12, 8 rows)": ((3, 20), (Shard(0), R), ("slice", 1, None, 1, 4),

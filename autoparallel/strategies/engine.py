@@ -182,7 +182,7 @@ def _cuts(sizes: set[int], base: dict[int, int], pieces: int, axes: int, candida
     cuts = [({}, False, pieces)] if even else []
     if axes != 1:
         return cuts
-    options = [] if even else [base] if base else [{}]
+    options = [] if even else [base]  # base: {} for a plain torch.chunk cut
     if len(sizes) == 1 and not base:
         s = next(iter(sizes))
         options += [{s: u} for u in candidates.get(s, ()) if s % u == 0 and (s // u) % pieces]
