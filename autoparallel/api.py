@@ -266,9 +266,9 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             recipe), recorded in ``plan.estimate["baselines"]`` and printed by ``str(plan)``.
             DDP is always planned, the other recipes unless a lower bound of their step
             shows they cannot be the fastest. Costs a problem build per recipe and an ILP
-            solve per planned one: measured about +40 % planning time on GPT-2 small and
-            +80 % on Llama-3-8B dims (docs/design.md, "Inspecting and steering the plan",
-            Baselines); ``False`` leaves them out.
+            solve per planned one: measured about +40 % planning CPU time on GPT-2 small and
+            +65-70 % on Llama-3-8B dims (docs/design.md, "Inspecting and steering the
+            plan", Baselines); ``False`` leaves them out.
 
     Returns:
         the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
