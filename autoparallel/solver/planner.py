@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -25,7 +26,7 @@ from .shared_layers import layer_templates
 from ..explain import alternatives
 from ..plot import memory_timeline
 from .costs import CostModel, exposed_comm_time
-from .ilp import FixedCharge, ILPEdge, ILPProblem, solve
+from .ilp import FixedCharge, Flow, ILPEdge, ILPProblem, solve
 from .memory import MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
 from .rotor import InfeasibleBudget, solve as rotor_solve
@@ -232,7 +233,37 @@ class Planner:
         impossible on edges into in-place ops and their view chains (see aliased_edges)."""
         if src != dst and (key[0], key[1]) in self._pinned:
             return math.inf
-        return self._redistribute(val, rg, src, dst)[0]
+        shape, dtype = node_info(val[0]).outputs[val[1]]
+        return self.layout.cost(shape, dtype.itemsize, dtype.is_floating_point, src, dst, rg)
+
+    def _pair_edge(self, key, val, rg, gu: int, gv: int, src_specs: list[Spec], dst_specs: list[Spec]) -> ILPEdge:
+        """The ILP edge between groups ``gu`` and ``gv`` (both with a choice) on edge ``key``
+        (:meth:`_edge_cost`) for the specs its producer's and consumer's group strategies give
+        and ask for: costs per pair of spec classes from the tensor's distance matrix
+        (:meth:`~autoparallel.solver.layout.Redistributor.distances`), and, when the tensor's
+        spec graph has fewer useful moves than the edge has pairs of classes, the same costs
+        as a :class:`~autoparallel.solver.ilp.Flow` over those moves. Pinned edges (no
+        redistribution) and specs cut in units keep the pairwise form."""
+        o_cls, o_list = _classes(src_specs)
+        i_cls, i_list = _classes(dst_specs)
+        shape, dtype = node_info(val[0]).outputs[val[1]]
+        g, d = self.layout.distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
+        o_ids, i_ids = [g.index.get(s) for s in o_list], [g.index.get(s) for s in i_list]
+        if None in o_ids or None in i_ids or (key[0], key[1]) in self._pinned:  # unit cuts: not in g
+            cost = [[self._edge_cost(key, val, rg, o, i) for i in i_list] for o in o_list]
+            return ILPEdge(gu, gv, o_cls, i_cls, cost)
+        cost = d[np.ix_(o_ids, i_ids)]
+        flow = None
+        if len(o_list) > 1 and len(i_list) > 1:
+            sources, sinks = np.isfinite(d[o_ids]).any(axis=0), np.isfinite(d[:, i_ids]).any(axis=1)
+            arcs: dict[tuple[int, int], float] = {}
+            for a, b, move in g.arcs:  # moves from a source's reach into a sink's, no dearer than d
+                c = self.layout.move_cost(move, rg)
+                if sources[a] and sinks[b] and c <= d[a, b] and c < arcs.get((a, b), math.inf):
+                    arcs[a, b] = c
+            if len(arcs) < np.isfinite(cost).sum():
+                flow = Flow(o_ids, i_ids, [(a, b, c) for (a, b), c in arcs.items()])
+        return ILPEdge(gu, gv, o_cls, i_cls, cost.tolist(), flow)
 
     def _edges(self):
         """(consumer node, or None for the graph output; input position; value; requires_grad)."""
@@ -430,13 +461,12 @@ class Planner:
                 vec = [self._edge_cost(key, (tu, idx), rg, a, b) for a, b in zip(src_specs, dst_specs)]
                 acc[key] = [("internal", gu, vec), 1]
                 continue
-            o_cls, o_list = _classes(src_specs)
-            i_cls, i_list = _classes(dst_specs)
             if tc is None:  # a returned value: its target follows its source (returned_spec)
+                o_cls, o_list = _classes(src_specs)
                 cost = [[self._edge_cost(key, (tu, idx), rg, o, self.returned_spec(j, o))] for o in o_list]
+                acc[key] = [("edge", ILPEdge(gu, gv, o_cls, [0], cost)), 1]
             else:
-                cost = [[self._edge_cost(key, (tu, idx), rg, o, i) for i in i_list] for o in o_list]
-            acc[key] = [("edge", ILPEdge(gu, gv, o_cls, i_cls, cost)), 1]
+                acc[key] = [("edge", self._pair_edge(key, (tu, idx), rg, gu, gv, src_specs, dst_specs)), 1]
         for item, mult in acc.values():
             if item[0] == "internal":
                 for i, c in enumerate(item[2]):
@@ -444,6 +474,8 @@ class Planner:
             else:
                 e = item[1]
                 e.cost = [[c * mult for c in row] for row in e.cost]
+                if e.flow is not None:
+                    e.flow.arcs = [(a, b, c * mult) for a, b, c in e.flow.arcs]
                 ilp.edges.append(e)
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
@@ -460,6 +492,9 @@ class Planner:
         records what the summary, explain and plot read (:meth:`_inspectable`; about a tenth
         of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
         ``built``: this planner's :meth:`build_problem`, when the caller already built it.
+        ``plan.solver_stats`` holds the seconds of each part: ``costs_s`` (pricing, building the
+        problem), ``stage1_s`` (every stage-1 solve, model building included), ``remat_s``
+        (stage 2), ``inspect_s``.
 
         Raises:
             InfeasiblePlanError: when no plan fits the budget; the message gives the
@@ -469,13 +504,16 @@ class Planner:
         built = built or self.build_problem()
         t_costs = time.perf_counter() - t0
         stage1 = functools.partial(self._stage1, built, solver=solver, time_limit=time_limit, max_rounds=max_rounds)
+        t1 = time.perf_counter()
         found = stage1(memory_budget)
+        t_stage1 = time.perf_counter() - t1
         checkpoint = plan = None
         if found is None:
             stages = chain_stages(self.memory.nodes) if checkpointing else {}
             if not stages:
                 raise InfeasiblePlanError(self._budget_message(built, memory_budget, solver, time_limit))
             found, plan, checkpoint = self._two_stage(stage1, built, stages, memory_budget)
+        t_remat = time.perf_counter() - t1 - t_stage1
         choice, sol, rounds = found
         plan = plan or self.make_plan(choice, built.edges)
         if checkpoint is not None:
@@ -484,6 +522,7 @@ class Planner:
             plan.estimate["peak_memory_bytes"] = plan.estimate["memory"]["checkpointed_peak_bytes"] = peak
         plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
                                  strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
+                                 stage1_s=t_stage1, remat_s=t_remat,
                                  memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats)
         if inspect:
             self._inspectable(plan, choice, built.edges, memory_budget)
