@@ -51,8 +51,10 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Logits ``(N, C_local, d1, ...)`` (or ``(N, C_local)``) as contiguous rows ``(M, C_local)``."""
-    return x.movedim(1, -1).reshape(-1, x.shape[1]).contiguous() if x.dim() > 2 else x.contiguous()
+    """Logits ``(N, C_local, d1, ...)`` (or ``(N, C_local)``) as contiguous rows ``(M, C_local)``
+    (copied before the view: ``reshape`` of the moved dims on per-rank sizes fails under
+    simulated ranks)."""
+    return x.movedim(1, -1).contiguous().view(-1, x.shape[1]) if x.dim() > 2 else x.contiguous()
 
 
 def _unrows(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
