@@ -157,7 +157,6 @@ def test_plan_json_validates_baselines(gpt2_plan, bad, field):
         autoparallel.Plan.from_json(json.dumps(d))
 
 
-@pytest.mark.slow
 def test_autoparallelize_plans_baselines_unless_asked_not_to(sim_mesh):
     torch.manual_seed(0)
     model = hf_model("gpt2", layers=1)
