@@ -51,6 +51,7 @@ class Progress:
     def close(self) -> None:
         self._stop.set()
         if self.bar is not None:
+            self.bar.total = self.bar.n  # a planning without baselines ends a stage early
             self.bar.close()
 
 
@@ -61,7 +62,7 @@ def planning(fn):
     def run(*args, **kwargs):
         if _CURRENT.get() is not None:
             return fn(*args, **kwargs)
-        progress = Progress("planning", 3)
+        progress = Progress("planning", 4)  # strategies, memory model, costs and ILP solve, baselines
         token = _CURRENT.set(progress)
         try:
             return fn(*args, **kwargs)
