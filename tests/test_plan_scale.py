@@ -20,16 +20,17 @@ from models import hf_model
 def test_distances_are_the_cheapest_paths(requires_grad):
     layout = Redistributor(CostModel("h100").bind(MeshSpec((2, 2, 2))))
     shape = (4, 6)
-    g, d = layout.distances(shape, 4, True, requires_grad)
+    g, d, move_s = layout.distances(shape, 4, True, requires_grad)
     assert g.specs[0] == (R, R, R) and len(g.specs) == len(set(g.specs)) > 40
     dijkstra = np.array([[layout.paths_from(shape, 4, True, src, requires_grad)[dst][0] for dst in g.specs]
                          for src in g.specs])
     np.testing.assert_allclose(d, dijkstra, rtol=1e-12)
+    assert len(move_s) == len(g.arcs) and (move_s > 0).all() and (move_s >= d[tuple(zip(*((i, j) for i, j, _ in g.arcs)))]).all()
     for src in g.specs[::7]:
         for dst in g.specs[::5]:
             assert layout.cost(shape, 4, True, src, dst, requires_grad) == d[g.index[src], g.index[dst]]
     # an integer tensor has no Partial specs: the graph leaves them out
-    g_int, _ = layout.distances(shape, 8, False, False)
+    g_int, _, _ = layout.distances(shape, 8, False, False)
     assert {s for s in g.specs if P not in s} == set(g_int.specs)
 
 

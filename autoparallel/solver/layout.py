@@ -176,25 +176,27 @@ class Redistributor:
         return graph
 
     def distances(self, shape: Sequence[int], itemsize: int, is_float: bool, requires_grad: bool,
-                  units: frozenset = frozenset()) -> tuple[SpecGraph, np.ndarray]:
-        """The spec graph of :meth:`graph` and the cheapest seconds between every two of its specs,
+                  units: frozenset = frozenset()) -> tuple[SpecGraph, np.ndarray, np.ndarray]:
+        """The spec graph of :meth:`graph`, the cheapest seconds between every two of its specs,
         ``d[i, j]`` from ``specs[i]`` to ``specs[j]`` (``inf`` when unreachable): the costs of
         :meth:`paths_from`, all pairs at once by the Floyd-Warshall algorithm (Floyd, "Algorithm
-        97: Shortest path", CACM 1962) in numpy, memoized."""
+        97: Shortest path", CACM 1962) in numpy; and the seconds of each of its arcs
+        (:meth:`move_cost`). Memoized."""
         key = (tuple(shape), itemsize, is_float, requires_grad, units)
         hit = self._distances.get(key)
         if hit is not None:
             return hit
         g = self.graph(shape, itemsize, is_float, units)
         n = len(g.specs)
+        c = np.array([self.move_cost(move, requires_grad) for _, _, move in g.arcs])
         d = np.full((n, n), np.inf)
-        for i, j, move in g.arcs:
-            d[i, j] = min(d[i, j], self.move_cost(move, requires_grad))
+        for (i, j, _), cost in zip(g.arcs, c.tolist()):
+            d[i, j] = min(d[i, j], cost)
         np.fill_diagonal(d, 0.0)
         for k in range(n):
             np.minimum(d, d[:, k, None] + d[None, k, :], out=d)
-        self._distances[key] = g, d
-        return g, d
+        self._distances[key] = g, d, c
+        return g, d, c
 
     def cost(self, shape, itemsize, is_float, src: Spec, dst: Spec, requires_grad: bool) -> float:
         """Seconds of the cheapest redistribution (:meth:`redistribute`'s, from :meth:`distances`);
@@ -202,7 +204,7 @@ class Redistributor:
         if src == dst:
             return 0.0
         units = frozenset((p.dim, unit_of(p)) for p in dst if unit_of(p) > 1)
-        g, d = self.distances(shape, itemsize, is_float, requires_grad, units)
+        g, d, _ = self.distances(shape, itemsize, is_float, requires_grad, units)
         i, j = g.index.get(src), g.index.get(dst)
         if i is None or j is None:  # a spec that the replicated one does not reach
             return self.redistribute(shape, itemsize, is_float, src, dst, requires_grad)[0]

@@ -247,20 +247,18 @@ class Planner:
         o_cls, o_list = _classes(src_specs)
         i_cls, i_list = _classes(dst_specs)
         shape, dtype = node_info(val[0]).outputs[val[1]]
-        g, d = self.layout.distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
+        g, d, move_s = self.layout.distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
         o_ids, i_ids = [g.index.get(s) for s in o_list], [g.index.get(s) for s in i_list]
         if None in o_ids or None in i_ids or (key[0], key[1]) in self._pinned:  # unit cuts: not in g
             cost = [[self._edge_cost(key, val, rg, o, i) for i in i_list] for o in o_list]
             return ILPEdge(gu, gv, o_cls, i_cls, cost)
         cost = d[np.ix_(o_ids, i_ids)]
         flow = None
-        if len(o_list) > 1 and len(i_list) > 1:
-            sources, sinks = np.isfinite(d[o_ids]).any(axis=0), np.isfinite(d[:, i_ids]).any(axis=1)
-            arcs: dict[tuple[int, int], float] = {}
-            for a, b, move in g.arcs:  # moves from a source's reach into a sink's, no dearer than d
-                c = self.layout.move_cost(move, rg)
-                if sources[a] and sinks[b] and c <= d[a, b] and c < arcs.get((a, b), math.inf):
-                    arcs[a, b] = c
+        if len(o_list) > 1 and len(i_list) > 1 and g.arcs:
+            a, b = (np.array(x) for x in zip(*((i, j) for i, j, _ in g.arcs)))
+            # moves from a source's reach into a sink's, each the cheapest way between its ends
+            keep = np.isfinite(d[o_ids]).any(axis=0)[a] & np.isfinite(d[:, i_ids]).any(axis=1)[b] & (move_s <= d[a, b])
+            arcs = dict(zip(zip(a[keep].tolist(), b[keep].tolist()), move_s[keep].tolist()))  # one per (a, b)
             if len(arcs) < np.isfinite(cost).sum():
                 flow = Flow(o_ids, i_ids, [(a, b, c) for (a, b), c in arcs.items()])
         return ILPEdge(gu, gv, o_cls, i_cls, cost.tolist(), flow)
