@@ -101,8 +101,19 @@ def pointwise_dimmap(node, in_shapes, out_shapes, linear=None) -> DimMap | None:
                   uneven=0 if random else len(out))
 
 
+def local_contiguous(call: LocalCall):
+    """``contiguous`` on a piece with a dim split unevenly: a contiguous ``clone`` (under
+    ``LocalTensorMode``, ``contiguous()`` left the shorter ranks' pieces strided, and the
+    ``view`` after it, HF's shifted labels flattened, failed)."""
+    if not uneven_dims(call.out_shapes[0], call.output_specs[0], call.mesh_shape):
+        return call.emit()
+    layout = call.bound().get("memory_format") or torch.contiguous_format
+    return call.emit(aten.clone.default, (call.args[0],), {"memory_format": layout})
+
+
 for _op, _lin in POINTWISE.items():
-    RECORDS[_op] = OpRecord((lambda lin: lambda node, i, o: pointwise_dimmap(node, i, o, lin))(_lin))
+    RECORDS[_op] = OpRecord((lambda lin: lambda node, i, o: pointwise_dimmap(node, i, o, lin))(_lin),
+                            local_contiguous if _op == aten.contiguous.default else None)
 
 POINTWISE_RECORD = OpRecord(pointwise_dimmap)
 """The record of an op torch tags pointwise that has none of its own (no Partial: its
