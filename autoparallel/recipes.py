@@ -53,7 +53,7 @@ from torch.distributed.tensor import Shard
 from .placement import format_spec
 from .constraints import resolve, restrict
 from .errors import AutoParallelError, InfeasiblePlanError
-from .solver.ilp import _fold_edges
+from .solver.ilp import fold_edges
 from .graph import layer_of
 from .mesh import MeshSpec
 from .placement import R
@@ -494,7 +494,7 @@ def step_bound(problem) -> float:
     Raises:
         InfeasiblePlanError: a group with no possible strategy (as the solver would).
     """
-    lin, _ = _fold_edges(problem)
+    lin, _ = fold_edges(problem)
     return sum(min(c) for c in lin)
 
 

@@ -174,7 +174,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
             whose every redistribution is impossible), naming the nodes involved.
     """
     t0 = time.perf_counter()
-    lin, pair_edges = _fold_edges(problem)
+    lin, pair_edges = fold_edges(problem)
     lp = _Program(problem, lin, pair_edges)
     t_build = time.perf_counter() - t0
     used, optimal, lp_bound = lp.run(solver, time_limit, t0 + t_build)
@@ -196,7 +196,7 @@ def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0)
     return ILPSolution(choice, obj, stats)
 
 
-def _fold_edges(problem: ILPProblem) -> tuple[list[list[float]], list[ILPEdge]]:
+def fold_edges(problem: ILPProblem) -> tuple[list[list[float]], list[ILPEdge]]:
     """Node costs with every edge that has one spec class on a side folded in, and the
     edges left (both sides vary).
 
