@@ -340,35 +340,26 @@ def test_gpt2_parity_under_autocast(sim_mesh):
 
 
 # ---------------------------------------------------------------- real processes
-def _gloo_rank(rank, world, port, policy):
-    import datetime
-    import os
-
-    import torch.distributed as dist
+def _gloo_rank(rank, world, policy):
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        ref = build_model("gpt2")
-        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch_for("gpt2", 0)), device_mesh=mesh,
-                                              cost_model=autoparallel.CostModel("cpu"), parallelism="data",
-                                              mp_policy=policy, cache_dir=False)
-        assert "reduce_dtype = torch.bfloat16" in pmodel.graph_module.code  # bf16 buckets through gloo
-        inputs = batch_for("gpt2", 0)
-        want = reference_loss(ref, inputs, policy)
-        want.backward()
-        got = pmodel(**inputs).loss
-        got.backward()
-        assert _rel_err(got.detach(), want.detach()) < LOSS_TOL
-        ref_params = dict(ref.named_parameters())
-        for name, p in pmodel.named_parameters():
-            assert p.grad.dtype == torch.float32
-            err = _rel_err(p.grad.full_tensor(), ref_params[name].grad)
-            assert err < GRAD_TOL, f"rank {rank}: grad of {name} {p.placements}: relative error {err:.3g}"
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    ref = build_model("gpt2")
+    pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch_for("gpt2", 0)), device_mesh=mesh,
+                                          cost_model=autoparallel.CostModel("cpu"), parallelism="data",
+                                          mp_policy=policy, cache_dir=False)
+    assert "reduce_dtype = torch.bfloat16" in pmodel.graph_module.code  # bf16 buckets through gloo
+    inputs = batch_for("gpt2", 0)
+    want = reference_loss(ref, inputs, policy)
+    want.backward()
+    got = pmodel(**inputs).loss
+    got.backward()
+    assert _rel_err(got.detach(), want.detach()) < LOSS_TOL
+    ref_params = dict(ref.named_parameters())
+    for name, p in pmodel.named_parameters():
+        assert p.grad.dtype == torch.float32
+        err = _rel_err(p.grad.full_tensor(), ref_params[name].grad)
+        assert err < GRAD_TOL, f"rank {rank}: grad of {name} {p.placements}: relative error {err:.3g}"
 
 
 @pytest.mark.multiprocess
@@ -377,11 +368,6 @@ def test_gpt2_bf16_policy_on_gloo_ranks():
     """Two real gloo processes, data parallel: the gradient buckets all-reduced in bf16 through
     c10d, parity as above."""
     pytest.importorskip("transformers")
-    import socket
+    from gloo_ranks import spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_gloo_rank, args=(2, port, BF16_REDUCE), nprocs=2)
+    spawn(_gloo_rank, 2, 2, BF16_REDUCE)

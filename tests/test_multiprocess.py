@@ -13,15 +13,13 @@ needs activation checkpointing (one step). All checks share one spawn (start-up 
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+
+from gloo_ranks import spawn
 
 pytest.importorskip("transformers")
 
@@ -32,12 +30,6 @@ SHORT_BATCH = 3  # the last batch of an epoch, which no mesh axis divides
 SGD_STEPS = 3
 LR = 0.1
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_gpt2(layers: int = 2):
@@ -78,100 +70,92 @@ def _check(rank: int, when: str, loss, ref_loss, pmodel, ref_params: dict) -> No
                                  f"(max abs err {err:.3g}, placements {p.grad.placements})")
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(1)
+def _worker(rank: int) -> None:
     import autoparallel
 
     class _ShardParams(autoparallel.CostModel):
         def grad_reduction_time(self, axis, nbytes):
             return 1e-3
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    model = _tiny_gpt2()
+    ref = copy.deepcopy(model)
+    ref_params = dict(ref.named_parameters())
+
+    batch = _batch(0)
+    meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    # the cpu preset with gradient reduction priced high: every parameter split (tensor
+    # parallelism, all-to-all, reduce-scatter), rank 0's plan broadcast to the others
+    cost = _ShardParams("cpu")
+    pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost)
+    assert pmodel.plan.collectives and all(
+        any(p.__class__.__name__ == "Shard" for p in spec) for spec in pmodel.plan.param_placements.values())
+
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(SGD_STEPS + 1):
+        if step > 0:
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            batch = _batch(step)
+        out, ref_out = pmodel(**batch), ref(**batch)
+        loss, ref_loss = out.loss, ref_out.loss
+        loss.backward()
+        ref_loss.backward()
+        _check(rank, f"step {step}" + (" (after SGD)" if step else ""), loss, ref_loss, pmodel, ref_params)
+        if step == 0:  # the logits stay split (outputs="sharded"): a DTensor, gathered on demand
+            assert isinstance(out.logits, DTensor), type(out.logits)
+            torch.testing.assert_close(out.logits.full_tensor().detach(), ref_out.logits.detach(), rtol=1e-4,
+                                       atol=1e-5)
+
+    # meshes listing ranks in another order: local slices in process-group order, as
+    # collectives join pieces and distribute_tensor scatters parameter shards
+    for layout, cost_model, sizes in (([3, 2, 1, 0], autoparallel.CostModel("cpu"), (BATCH, SHORT_BATCH)),
+                                      ([[3, 2], [1, 0]], cost, (BATCH,))):
         model = _tiny_gpt2()
         ref = copy.deepcopy(model)
         ref_params = dict(ref.named_parameters())
-
-        batch = _batch(0)
-        meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
-        # the cpu preset with gradient reduction priced high: every parameter split (tensor
-        # parallelism, all-to-all, reduce-scatter), rank 0's plan broadcast to the others
-        cost = _ShardParams("cpu")
-        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost)
-        assert pmodel.plan.collectives and all(
-            any(p.__class__.__name__ == "Shard" for p in spec) for spec in pmodel.plan.param_placements.values())
-
-        opt = torch.optim.SGD(pmodel.parameters(), lr=LR)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-        for step in range(SGD_STEPS + 1):
-            if step > 0:
-                opt.step()
-                ref_opt.step()
-                opt.zero_grad(set_to_none=True)
-                ref_opt.zero_grad(set_to_none=True)
-                batch = _batch(step)
-            out, ref_out = pmodel(**batch), ref(**batch)
-            loss, ref_loss = out.loss, ref_out.loss
+        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=DeviceMesh("cpu", layout),
+                                              cost_model=cost_model, replan=True)
+        for step, size in enumerate(sizes):  # the short last batch of an epoch: planned anew
+            for p in list(pmodel.parameters()) + list(ref.parameters()):
+                p.grad = None
+            batch = _batch(step, size)
+            loss = pmodel(**batch).loss
             loss.backward()
+            ref_loss = ref(**batch).loss
             ref_loss.backward()
-            _check(rank, f"step {step}" + (" (after SGD)" if step else ""), loss, ref_loss, pmodel, ref_params)
-            if step == 0:  # the logits stay split (outputs="sharded"): a DTensor, gathered on demand
-                assert isinstance(out.logits, DTensor), type(out.logits)
-                torch.testing.assert_close(out.logits.full_tensor().detach(), ref_out.logits.detach(), rtol=1e-4,
-                                           atol=1e-5)
+            _check(rank, f"mesh {layout}, batch of {size}", loss, ref_loss, pmodel, ref_params)
+        assert len(pmodel.plans) == len(sizes)
 
-        # meshes listing ranks in another order: local slices in process-group order, as
-        # collectives join pieces and distribute_tensor scatters parameter shards
-        for layout, cost_model, sizes in (([3, 2, 1, 0], autoparallel.CostModel("cpu"), (BATCH, SHORT_BATCH)),
-                                          ([[3, 2], [1, 0]], cost, (BATCH,))):
-            model = _tiny_gpt2()
-            ref = copy.deepcopy(model)
-            ref_params = dict(ref.named_parameters())
-            pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=DeviceMesh("cpu", layout),
-                                                  cost_model=cost_model, replan=True)
-            for step, size in enumerate(sizes):  # the short last batch of an epoch: planned anew
-                for p in list(pmodel.parameters()) + list(ref.parameters()):
-                    p.grad = None
-                batch = _batch(step, size)
-                loss = pmodel(**batch).loss
-                loss.backward()
-                ref_loss = ref(**batch).loss
-                ref_loss.backward()
-                _check(rank, f"mesh {layout}, batch of {size}", loss, ref_loss, pmodel, ref_params)
-            assert len(pmodel.plans) == len(sizes)
-
-        # a memory budget sharding alone cannot meet: recomputation through checkpoint regions
-        # that contain collectives, replayed in backward on every rank
-        model = _tiny_gpt2(layers=4)
-        ref = copy.deepcopy(model)
-        ref_params = dict(ref.named_parameters())
-        g = torch.Generator().manual_seed(7)
-        ids = torch.randint(0, VOCAB, (8, 32), generator=g)
-        batch = {"input_ids": ids, "labels": ids.clone()}
-        meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
-        cpu = autoparallel.CostModel("cpu")
-        free = autoparallel.plan(model, meta_inputs, mesh_shape=MESH_SHAPE, cost_model=cpu, cache_dir=False)
-        budget = int(0.5 * free.estimate["peak_memory_bytes"])
-        pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cpu,
-                                              memory_budget=budget, cache_dir=False)
-        assert pmodel.plan.checkpoint and pmodel.plan.checkpoint.regions, "the budget should need recomputation"
-        loss = pmodel(**batch).loss
-        loss.backward()
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        _check(rank, "with activation checkpointing", loss, ref_loss, pmodel, ref_params)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # a memory budget sharding alone cannot meet: recomputation through checkpoint regions
+    # that contain collectives, replayed in backward on every rank
+    model = _tiny_gpt2(layers=4)
+    ref = copy.deepcopy(model)
+    ref_params = dict(ref.named_parameters())
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (8, 32), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    cpu = autoparallel.CostModel("cpu")
+    free = autoparallel.plan(model, meta_inputs, mesh_shape=MESH_SHAPE, cost_model=cpu, cache_dir=False)
+    budget = int(0.5 * free.estimate["peak_memory_bytes"])
+    pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cpu,
+                                          memory_budget=budget, cache_dir=False)
+    assert pmodel.plan.checkpoint and pmodel.plan.checkpoint.regions, "the budget should need recomputation"
+    loss = pmodel(**batch).loss
+    loss.backward()
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    _check(rank, "with activation checkpointing", loss, ref_loss, pmodel, ref_params)
+    dist.barrier()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_gpt2_parity_4_gloo_ranks_2x2_mesh():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD)

@@ -6,17 +6,14 @@ single-device state dict and getting full tensors back."""
 from __future__ import annotations
 
 import copy
-import datetime
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_multiprocess import _free_port
+from gloo_ranks import spawn
 
 pytest.importorskip("transformers")
 
@@ -96,26 +93,18 @@ def _non_tensor_arguments(autoparallel, mesh, rank):
         pmodel(input_ids=ids, labels=ids, use_cache=True, return_dict=True)
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(1)
+def _worker(rank: int) -> None:
     import autoparallel
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for check in (_planning_error_on_every_rank, _different_batches_stopped, _eval_state_dict_and_full_tensors,
-                      _non_tensor_arguments):
-            check(autoparallel, mesh, rank)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for check in (_planning_error_on_every_rank, _different_batches_stopped, _eval_state_dict_and_full_tensors,
+                  _non_tensor_arguments):
+        check(autoparallel, mesh, rank)
+        dist.barrier()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_module_behaviour_2_gloo_ranks():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, timeout_s=60)

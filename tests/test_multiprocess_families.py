@@ -21,21 +21,19 @@ other; rank 0 writes the gathered results to a file that the per-family tests be
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 import autoparallel
 from models import FAMILIES, TIMM, ShardParams, batch_for, to_meta
-from test_multiprocess import ATOL, MESH_SHAPE, RTOL, WORLD, _free_port
+from gloo_ranks import spawn
+from test_multiprocess import ATOL, MESH_SHAPE, RTOL, WORLD
 from test_parity import build, loss_of
 
 pytest.importorskip("transformers")
@@ -152,34 +150,26 @@ def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
     return problems
 
 
-def _worker(rank: int, port: int, names: list[str], out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, names: list[str], out_path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
-        results = {}
-        for name in names:
-            info: dict = {}
-            try:
-                problems = _run_family(name, rank, mesh, info)
-            except Exception as e:
-                problems = [f"{type(e).__name__}: {e}".strip()[:2000] + "\n" + traceback.format_exc()[-1500:]]
-            # one gather per family: every rank's findings, and the ranks kept in step
-            gathered: list = [None] * WORLD
-            dist.all_gather_object(gathered, {"rank": rank, "problems": problems, "info": info})
-            results[name] = {"failures": [{"rank": g["rank"], "what": p} for g in gathered for p in g["problems"]],
-                             "info": gathered[0]["info"]}
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    results = {}
+    for name in names:
+        info: dict = {}
+        try:
+            problems = _run_family(name, rank, mesh, info)
+        except Exception as e:
+            problems = [f"{type(e).__name__}: {e}".strip()[:2000] + "\n" + traceback.format_exc()[-1500:]]
+        # one gather per family: every rank's findings, and the ranks kept in step
+        gathered: list = [None] * WORLD
+        dist.all_gather_object(gathered, {"rank": rank, "problems": problems, "info": info})
+        results[name] = {"failures": [{"rank": g["rank"], "what": p} for g in gathered for p in g["problems"]],
+                         "info": gathered[0]["info"]}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +180,7 @@ def family_results(request, tmp_path_factory):
     names = [n for n in NAMES if n in selected] or NAMES
     out = tmp_path_factory.mktemp("families") / "results.json"
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(_free_port(), names, str(out)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, names, str(out), timeout_s=PG_TIMEOUT)
     results = json.loads(out.read_text())
     print(f"\n{len(names)} families on 4 gloo ranks in {time.perf_counter() - t0:.1f} s")
     for name, r in results.items():

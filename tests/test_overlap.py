@@ -195,45 +195,36 @@ def test_fused_returned_loss_keeps_parity(sim_mesh):
         assert_close(f"grad of {name}", p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
 
 
-def _data_parallel_worker(rank: int, port: int, world: int, shape: tuple) -> None:
-    import datetime
-    import os
+def _data_parallel_worker(rank: int, shape: tuple) -> None:
     import sys
     from pathlib import Path
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import vs_torch
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        ref, sizes = vs_torch.build_model("gpt2", True)
-        batch = vs_torch.global_batch(sizes, torch.device("cpu"))
-        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch), device_mesh=init_device_mesh("cpu", shape),
-                                              parallelism="data", cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
-        assert "reduced_output(" in pmodel.graph_module.code
-        popt, ropt = torch.optim.SGD(pmodel.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-        want_grads = dict(ref.named_parameters())
-        for step in range(3):  # the bucket buffers are reused from the second step on
-            popt.zero_grad(set_to_none=True)
-            ropt.zero_grad(set_to_none=True)
-            got, want = pmodel(**batch).loss, ref(**batch).loss
-            got.backward()
-            want.backward()
-            if step == 1:  # a second backward accumulates into the gradients the buffer holds
-                pmodel(**batch).loss.backward()
-                ref(**batch).loss.backward()
-            assert_close(f"loss {step}", got.detach(), want.detach())
-            for name, p in pmodel.named_parameters():
-                assert_close(f"grad of {name}, step {step}", p.grad.full_tensor(), want_grads[name].grad)
-            popt.step()
-            ropt.step()
-    finally:
-        dist.destroy_process_group()
+    ref, sizes = vs_torch.build_model("gpt2", True)
+    batch = vs_torch.global_batch(sizes, torch.device("cpu"))
+    pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch), device_mesh=init_device_mesh("cpu", shape),
+                                          parallelism="data", cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
+    assert "reduced_output(" in pmodel.graph_module.code
+    popt, ropt = torch.optim.SGD(pmodel.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    want_grads = dict(ref.named_parameters())
+    for step in range(3):  # the bucket buffers are reused from the second step on
+        popt.zero_grad(set_to_none=True)
+        ropt.zero_grad(set_to_none=True)
+        got, want = pmodel(**batch).loss, ref(**batch).loss
+        got.backward()
+        want.backward()
+        if step == 1:  # a second backward accumulates into the gradients the buffer holds
+            pmodel(**batch).loss.backward()
+            ref(**batch).loss.backward()
+        assert_close(f"loss {step}", got.detach(), want.detach())
+        for name, p in pmodel.named_parameters():
+            assert_close(f"grad of {name}, step {step}", p.grad.full_tensor(), want_grads[name].grad)
+        popt.step()
+        ropt.step()
 
 
 @pytest.mark.slow
@@ -246,8 +237,6 @@ def test_data_parallel_runtime_on_gloo_ranks(shape):
     backward, with the loss and every gradient of one device."""
     import math
 
-    import torch.multiprocessing as mp
-    from test_multiprocess import _free_port
+    from gloo_ranks import spawn
 
-    world = math.prod(shape)
-    mp.spawn(_data_parallel_worker, args=(_free_port(), world, shape), nprocs=world, join=True)
+    spawn(_data_parallel_worker, math.prod(shape), shape)

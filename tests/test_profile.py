@@ -5,15 +5,12 @@ cost model under simulated ranks."""
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed._local_tensor import LocalTensorMode
 
 import autoparallel
@@ -243,56 +240,49 @@ def test_calibration_measures_the_op_overhead():
 WORLD = 4
 
 
-def _worker(rank: int, port: int, cache_dir: str, out: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, cache_dir: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        t0 = time.perf_counter()
-        profile = autoparallel.profile_mesh(mesh, cache_dir=cache_dir, time_budget=1.0, calibration_budget=0.3,
-                                            max_bytes=2**20, repeats=3)
-        t1 = time.perf_counter()
-        loaded = autoparallel.profile_mesh(mesh, cache_dir=cache_dir)  # the cached one: no measuring
-        t2 = time.perf_counter()
-        assert loaded == profile, f"rank {rank}: the cached profile differs from the measured one"
-        texts = [None] * WORLD
-        dist.all_gather_object(texts, profile.to_json())
-        assert len(set(texts)) == 1, "ranks measured different profiles"
-        assert set(profile.tables) == {(a, k) for a in range(2) for k in COLLECTIVES}
-        assert all(len(t.sizes) >= 3 and t.sizes[0] == 4096 for t in profile.tables.values())
-        assert profile.mesh_shape == (2, 2) and profile.identity["hosts"] == [profile.identity["hosts"][0]] * 4
-        assert 1e-8 < profile.device.op_overhead < 1e-3, profile.device
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    t0 = time.perf_counter()
+    profile = autoparallel.profile_mesh(mesh, cache_dir=cache_dir, time_budget=1.0, calibration_budget=0.3,
+                                        max_bytes=2**20, repeats=3)
+    t1 = time.perf_counter()
+    loaded = autoparallel.profile_mesh(mesh, cache_dir=cache_dir)  # the cached one: no measuring
+    t2 = time.perf_counter()
+    assert loaded == profile, f"rank {rank}: the cached profile differs from the measured one"
+    texts = [None] * WORLD
+    dist.all_gather_object(texts, profile.to_json())
+    assert len(set(texts)) == 1, "ranks measured different profiles"
+    assert set(profile.tables) == {(a, k) for a in range(2) for k in COLLECTIVES}
+    assert all(len(t.sizes) >= 3 and t.sizes[0] == 4096 for t in profile.tables.values())
+    assert profile.mesh_shape == (2, 2) and profile.identity["hosts"] == [profile.identity["hosts"][0]] * 4
+    assert 1e-8 < profile.device.op_overhead < 1e-3, profile.device
 
-        # autoparallelize with no cost model prices this mesh from the cached profile
-        torch.manual_seed(0)
-        model = MLP(hidden=32, layers=2)
-        batch = batch_for("mlp", 0)
-        batch = {"x": batch["x"][:, :32], "y": batch["y"][:, :32]}
-        ref = copy.deepcopy(model)
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cache_dir=cache_dir)
-        t3 = time.perf_counter()
-        assert pmodel.plan.estimate["costs"] == f"profile {profile.key} ({profile.identity['device_name']})"
-        assert pmodel.plan.mesh == profile.mesh_spec()
-        torch.testing.assert_close(pmodel(**batch), ref(**batch))
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"profile_s": t1 - t0, "load_s": t2 - t1, "autoparallelize_s": t3 - t2}, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # autoparallelize with no cost model prices this mesh from the cached profile
+    torch.manual_seed(0)
+    model = MLP(hidden=32, layers=2)
+    batch = batch_for("mlp", 0)
+    batch = {"x": batch["x"][:, :32], "y": batch["y"][:, :32]}
+    ref = copy.deepcopy(model)
+    pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cache_dir=cache_dir)
+    t3 = time.perf_counter()
+    assert pmodel.plan.estimate["costs"] == f"profile {profile.key} ({profile.identity['device_name']})"
+    assert pmodel.plan.mesh == profile.mesh_spec()
+    torch.testing.assert_close(pmodel(**batch), ref(**batch))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"profile_s": t1 - t0, "load_s": t2 - t1, "autoparallelize_s": t3 - t2}, f)
+    dist.barrier()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_profile_mesh_on_4_gloo_ranks(tmp_path):
-    from test_multiprocess import _free_port
+    from gloo_ranks import spawn
 
     out = tmp_path / "times.json"
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path / "cache"), str(out)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(tmp_path / "cache"), str(out))
     times = json.loads(out.read_text())
     print(f"profile_mesh on 4 gloo ranks: {times}")
     files = sorted(p.name for p in (tmp_path / "cache" / "profiles").iterdir())

@@ -211,56 +211,48 @@ def test_uneven_plan_round_trips_and_validates():
         validate_plan(Plan.from_json(json.dumps(d)), traced)
 
 
-def _real_ranks_worker(rank: int, port: int) -> None:
+def _real_ranks_worker(rank: int) -> None:
     """One of 4 gloo ranks: the MLP with hidden 250 (parameters in uneven pieces) and GPT-2 with
     vocabulary 50257 (the logits split by vocabulary) at parity on a (4,) mesh, and GPT-2 with 25
     heads of 8 on (2, 2) (heads split 13/12, merged in units of 8: test_uneven_units), where
     the device's row counts are plain ints read from its coordinate."""
-    import datetime
     import os
     import sys
 
-    import torch.distributed as dist
     from torch.distributed.tensor import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
     sys.path.insert(0, os.path.dirname(__file__))
-    torch.set_num_threads(1)
     import autoparallel
     from autoparallel.placement import UnitShard
     from models import CheapComm, ShardParams
     from test_uneven_units import _gpt2_25_heads
 
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh("cpu", (4,))
-        g = torch.Generator().manual_seed(0)
-        mlp = {"x": torch.randn(4, 24, generator=g), "y": torch.randn(4, 24, generator=g)}
-        gpt = {"input_ids": torch.randint(0, 50257, (4, 8), generator=g),
-               "labels": torch.randint(0, 50257, (4, 8), generator=g)}
-        gpt["input_ids"][0, :4] = torch.tensor([0, 50256, 3 * 12565, 3 * 12565 - 1])
-        heads = {"input_ids": torch.randint(0, 64, (2, 8), generator=g), "labels": torch.randint(0, 64, (2, 8), generator=g)}
-        for ref, batch, cost, loss, on in [(_MLP(250), mlp, ShardParams("cpu"), lambda out: out, mesh),
-                                           (_gpt2_vocab_50257(), gpt, CheapComm("cpu"), lambda out: out.loss, mesh),
-                                           (_gpt2_25_heads(), heads, CheapComm("cpu"), lambda out: out.loss,
-                                            init_device_mesh("cpu", (2, 2)))]:
-            pmodel = autoparallel.autoparallelize(
-                copy.deepcopy(ref), {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()},
-                device_mesh=on, cost_model=cost, cache_dir=False, baselines=False)
-            want = loss(ref(**batch))
-            want.backward()
-            got = loss(pmodel(**batch))
-            got.backward()
-            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
-            for name, p in pmodel.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
-                                           rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}, grad of {name}: {m}")
-            assert any(uneven_dims(n.out_shapes[0], n.output_specs[0], on.shape) for n in pmodel.plan.nodes.values()
-                       if n.out_shapes), "the plan should split a dim unevenly"
-        assert any(isinstance(p, UnitShard) for n in pmodel.plan.nodes.values() for spec in n.output_specs
-                   for p in spec), "GPT-2 with 25 heads should cut a dim in units"
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (4,))
+    g = torch.Generator().manual_seed(0)
+    mlp = {"x": torch.randn(4, 24, generator=g), "y": torch.randn(4, 24, generator=g)}
+    gpt = {"input_ids": torch.randint(0, 50257, (4, 8), generator=g),
+           "labels": torch.randint(0, 50257, (4, 8), generator=g)}
+    gpt["input_ids"][0, :4] = torch.tensor([0, 50256, 3 * 12565, 3 * 12565 - 1])
+    heads = {"input_ids": torch.randint(0, 64, (2, 8), generator=g), "labels": torch.randint(0, 64, (2, 8), generator=g)}
+    for ref, batch, cost, loss, on in [(_MLP(250), mlp, ShardParams("cpu"), lambda out: out, mesh),
+                                       (_gpt2_vocab_50257(), gpt, CheapComm("cpu"), lambda out: out.loss, mesh),
+                                       (_gpt2_25_heads(), heads, CheapComm("cpu"), lambda out: out.loss,
+                                        init_device_mesh("cpu", (2, 2)))]:
+        pmodel = autoparallel.autoparallelize(
+            copy.deepcopy(ref), {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()},
+            device_mesh=on, cost_model=cost, cache_dir=False, baselines=False)
+        want = loss(ref(**batch))
+        want.backward()
+        got = loss(pmodel(**batch))
+        got.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
+        for name, p in pmodel.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                       rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}, grad of {name}: {m}")
+        assert any(uneven_dims(n.out_shapes[0], n.output_specs[0], on.shape) for n in pmodel.plan.nodes.values()
+                   if n.out_shapes), "the plan should split a dim unevenly"
+    assert any(isinstance(p, UnitShard) for n in pmodel.plan.nodes.values() for spec in n.output_specs
+               for p in spec), "GPT-2 with 25 heads should cut a dim in units"
 
 
 @pytest.mark.slow
@@ -268,11 +260,6 @@ def _real_ranks_worker(rank: int, port: int) -> None:
 def test_uneven_splits_on_real_processes():
     """The MLP and GPT-2 cases above through real c10d (gloo, 4 processes, one spawn)."""
     pytest.importorskip("transformers")
-    import socket
+    from gloo_ranks import spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_real_ranks_worker, args=(port,), nprocs=4, join=True)
+    spawn(_real_ranks_worker, 4)

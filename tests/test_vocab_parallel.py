@@ -231,14 +231,11 @@ def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(vocab, sim_mesh):
     train_side_by_side(ref, pmodel, [_lm_batch(step, vocab) for step in range(2)], ranks)
 
 
-def _gloo_worker(rank: int, port: int, world: int) -> None:
+def _gloo_worker(rank: int, world: int) -> None:
     """One of ``world`` gloo ranks: GPT-2 (vocabulary 2048) planned vocab-parallel on
     (world,), trained two SGD steps beside the single-device model through real c10d."""
     import copy
-    import datetime
-    import os
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
@@ -246,43 +243,35 @@ def _gloo_worker(rank: int, port: int, world: int) -> None:
     from models import to_meta
     from test_multiprocess import _check
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        vocab = 2048
-        mesh = init_device_mesh("cpu", (world,))
-        ref = _gpt2(vocab)
-        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(_lm_batch(0, vocab)), device_mesh=mesh,
-                                              cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
-        loss_node = next(n for n in pmodel.plan.nodes.values() if n.op == "cross_entropy_loss.default")
-        assert loss_node.input_specs[0] == (Shard(1),), loss_node.specs_str()
-        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref))
-        ref_params = dict(ref.named_parameters())
-        for step in range(2):
-            batch = _lm_batch(step, vocab)
-            ref_opt.zero_grad()
-            opt.zero_grad()
-            want = ref(**batch).loss
-            want.backward()
-            got = pmodel(**batch).loss
-            got.backward()
-            _check(rank, f"step {step}", got, want, pmodel, ref_params)
-            opt.step()
-            ref_opt.step()
-    finally:
-        dist.destroy_process_group()
+    vocab = 2048
+    mesh = init_device_mesh("cpu", (world,))
+    ref = _gpt2(vocab)
+    pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(_lm_batch(0, vocab)), device_mesh=mesh,
+                                          cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
+    loss_node = next(n for n in pmodel.plan.nodes.values() if n.op == "cross_entropy_loss.default")
+    assert loss_node.input_specs[0] == (Shard(1),), loss_node.specs_str()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref))
+    ref_params = dict(ref.named_parameters())
+    for step in range(2):
+        batch = _lm_batch(step, vocab)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        want = ref(**batch).loss
+        want.backward()
+        got = pmodel(**batch).loss
+        got.backward()
+        _check(rank, f"step {step}", got, want, pmodel, ref_params)
+        opt.step()
+        ref_opt.step()
 
 
 @pytest.mark.multiprocess
 def test_gpt2_vocab_parallel_parity_on_4_gloo_ranks():
     """The vocab-parallel plan through real c10d (gloo): max and sum all-reduces, the mesh
     coordinate of each process, the triton-free local kernel on CPU."""
-    import torch.multiprocessing as mp
+    from gloo_ranks import spawn
 
-    from test_multiprocess import _free_port
-
-    mp.spawn(_gloo_worker, args=(_free_port(), 4), nprocs=4, join=True)
+    spawn(_gloo_worker, 4, 4)
 
 
 def test_embedding_keeps_its_vocabulary_whole_with_scale_grad_by_freq():
