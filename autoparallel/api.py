@@ -120,7 +120,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     t_memory = time.perf_counter() - t2
     planner = Planner(traced.gm, strategies, gen.aliases, mesh, cost_model, names, share_layers=share_layers,
                       memory=memory, outputs=outputs, whole_outputs=whole,
-                      reduce_dtype=precision.reduce_dtype(mp_policy))
+                      reduce_dtype=precision.reduce_dtype(mp_policy), optimizer=optimizer, device=device)
     progress.stage("costs and ILP solve")
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
     plan.estimate["costs"] = cost_model.describe()

@@ -273,7 +273,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     better rate. Per-op overhead: a chain of 32 multiplications of a one-element tensor,
     forward and backward, over its 64 calls (2.8 µs a forward call and 4.9 µs a backward one
     on the 2-core test VM, torch 2.13; on a GPU, launches behind which no kernel runs
-    longer). Each rate is the median of 3 samples, each repeating its op for at least 30 ms:
+    longer). DTensor op overhead: AdamW's eight update ops on one-element DTensors over a
+    one-device mesh, per op (:func:`_dtensor_op_overhead`). Each rate is the median of 3 samples, each repeating its op for at least 30 ms:
     longer than a scheduler's time slice, so processes that share cores (4 ranks on 2 cores)
     measure their share and not a lucky slice alone. Memory: the device's total, or on CPU
     the host's divided by ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson,
@@ -295,7 +296,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
     return DevicePreset(f"measured {_device_name(device.type)}", fp32, half,
-                        _memory_rate(device, share, ranks_on_host), float(memory), _op_overhead(device))
+                        _memory_rate(device, share, ranks_on_host), float(memory), _op_overhead(device),
+                        _dtensor_op_overhead(device))
 
 
 def _median_time(fn, device: torch.device, repeats: int = 3) -> float:
@@ -332,6 +334,34 @@ def _op_overhead(device: torch.device) -> float:
         y.backward()
 
     return _median_time(chain, device) / (2 * _CHAIN)
+
+
+def _dtensor_op_overhead(device: torch.device) -> float:
+    """Seconds per op on DTensors: the eight ops of AdamW's per-tensor update (torch's
+    ``_single_tensor_adam``: a multiplication by a Python number for the weight decay,
+    ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``) on
+    one-element DTensors replicated over a mesh of this process' one device, timed by
+    :func:`_median_time`, per op. The ops differ (a multiplication by a Python number takes
+    about three times a ``lerp_``: DTensor wraps the number as a tensor), so the mix an
+    optimizer runs is what is timed. The mesh has no process group of its own (DeviceMesh's
+    private ``_init_backend=False`` and ``_rank``): element-wise ops on replicated DTensors
+    communicate nothing, so this works with or without an initialized process group and
+    never talks to the other ranks."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = DeviceMesh(device.type, [rank], _init_backend=False, _rank=rank)
+    p, g, m, v = (DTensor.from_local(torch.ones(1, device=device), mesh, [Replicate()], run_check=False)
+                  for _ in range(4))
+
+    def update():
+        p.mul_(1.0)
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        denom = (v.sqrt() / 1.0).add_(1e-8)
+        p.addcdiv_(m, denom, value=-1e-3)
+
+    return _median_time(update, device) / 8
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> float:
@@ -374,9 +404,10 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
     if text is not None:
         return _device_from_json(text)
     mine = calibrate_device(device, time_budget=budget, ranks_on_host=kind["ranks_on_host"])
-    fp32, half, bw, mem, neg_overhead = _agree([mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory,
-                                                -mine.op_overhead], dist.ReduceOp.MIN, device)
-    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead)
+    fp32, half, bw, mem, neg_overhead, neg_dtensor = _agree(
+        [mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory, -mine.op_overhead, -mine.dtensor_op_overhead],
+        dist.ReduceOp.MIN, device)
+    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead, -neg_dtensor)
     if dist.get_rank() == 0 and path is not None:
         cache.write_text(path, json.dumps(rates.to_json()), "device profile")
     return rates

@@ -111,8 +111,10 @@ def step_parts(plan: "Plan") -> tuple[float, float, float, float]:
 
 def _step(plan: "Plan") -> str:
     step, compute, comm, recompute = step_parts(plan)
-    line = (f"estimated step {_s(step)} = compute {_s(compute)} + exposed communication {_s(comm)}"
-            + (f" + recomputation {_s(recompute)}" if recompute else ""))
+    optimizer = plan.estimate.get("optimizer_s")
+    line = (f"estimated step {_s(step)} = compute {_s(compute)}"
+            + (f" (optimizer step {_s(optimizer)})" if optimizer else "")
+            + f" + exposed communication {_s(comm)}" + (f" + recomputation {_s(recompute)}" if recompute else ""))
     grad = plan.estimate.get("grad_comm_s")
     if grad:
         line += f" (gradient reduction {_s(grad)}, {_s(plan.estimate.get('exposed_grad_comm_s', grad))} exposed)"

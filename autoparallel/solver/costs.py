@@ -23,6 +23,12 @@ Formulas:
   1994) fitted to the measured times with ``B`` in the byte conventions above, so the ring
   factor is inside the fitted ``β``; where the measured table departs from the line by more
   than :data:`PROFILE_TOLERANCE` (relative), lookups interpolate the table instead.
+* a gradient bucket replicated along axes that together span the world is all-reduced once
+  over the world's ranks (:meth:`CostModel.collective_time` with ``axis=None``): the ring
+  formula with the world's size and the slowest link of those axes.
+* the optimizer step (:meth:`CostModel.optimizer_step_time`): per parameter, the update's
+  memory traffic over its local shard plus a per-op overhead (DTensor's dispatch) times the
+  ops ``torch.optim``'s implementation runs, counted in its source.
 * communication overlapped with compute (:func:`exposed_comm_time`): launches served first
   come first served by one link while the compute runs on; only the time by which the link
   outlasts the compute is exposed (the makespan of a single machine with release dates,
@@ -63,11 +69,15 @@ class DevicePreset:
         op_overhead: seconds one op call costs beside its arithmetic and memory traffic
             (Python and dispatcher on a CPU, kernel launch on a GPU); an op's backward is
             another call (:meth:`CostModel.compute_time`). 0 leaves it out.
+        dtensor_op_overhead: seconds one op on DTensor arguments costs beside its arithmetic
+            and memory traffic (DTensor's dispatch and sharding propagation, then the local
+            op's own dispatch): what each op of the optimizer step over the module's DTensor
+            parameters pays (:meth:`CostModel.optimizer_step_time`). 0 leaves it out.
 
     Raises:
         TypeError: a name that is not a string or a rate that is not a number.
         ValueError: a rate that is not positive and finite, a negative or infinite
-            ``op_overhead``.
+            ``op_overhead`` or ``dtensor_op_overhead``.
     """
 
     name: str
@@ -76,6 +86,7 @@ class DevicePreset:
     mem_bw: float
     memory: float
     op_overhead: float = 0.0
+    dtensor_op_overhead: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -86,11 +97,12 @@ class DevicePreset:
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"DevicePreset: {what} must be positive and finite, got {v!r}")
-        v = self.op_overhead
-        if not isinstance(v, numbers.Real) or isinstance(v, bool):
-            raise TypeError(f"DevicePreset: op_overhead must be a number, not {v!r}")
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"DevicePreset: op_overhead must be >= 0 and finite, got {v!r}")
+        for what in ("op_overhead", "dtensor_op_overhead"):
+            v = getattr(self, what)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"DevicePreset: {what} must be >= 0 and finite, got {v!r}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -102,7 +114,7 @@ class DevicePreset:
         Raises:
             ValueError: not an object with exactly the fields of a preset, or a bad value.
         """
-        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead")
+        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead")
         if not isinstance(d, dict) or set(d) != set(names):
             raise ValueError(f"a device preset must be an object with the fields {names}, not {d!r}")
         try:
@@ -121,11 +133,81 @@ class DevicePreset:
 # microseconds (5 us here, an order of magnitude, not a datasheet figure); the cpu preset's
 # 4 us is what calibrate_device measured on the 2-core test VM (torch 2.13: 2.8 us a
 # forward call, 4.9 us its backward). profile_mesh measures the real value.
+# dtensor_op_overhead: DTensor's dispatch runs in the host's Python whatever the device, so every
+# preset takes what the 2-core test VM gave (torch 2.13, idle): AdamW's per-tensor loop over the
+# 52 DTensor parameters of GPT-2 (4 x 256) ran 6.6 ms longer than over plain tensors, 16 us more
+# for each of its 416 DTensor ops, on top of a plain op's 2.5-4 us; calibrate_device measured
+# 17-30 us per op (AdamW's eight update ops on one-element DTensors, load 3-4).
 PRESETS = {
-    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6),
-    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6),
-    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6),
+    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6),
+    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6),
+    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6, dtensor_op_overhead=20e-6),
 }
+
+
+@dataclass(frozen=True)
+class OptimizerOps:
+    """The ops one ``torch.optim`` step runs, for :meth:`CostModel.optimizer_step_time`.
+
+    Attributes:
+        per_param: ops on a parameter's tensors (parameter, gradient, states: DTensors in
+            the emitted module), per parameter (the per-tensor loop).
+        per_param_plain: ops on plain tensors per parameter (the step counter's increment
+            and ``.item()``).
+        per_group: foreach ops over the group's tensor lists (DTensors), per parameter group.
+        per_group_plain: foreach ops on plain tensors per group (the step counters).
+    """
+
+    per_param: int
+    per_param_plain: int
+    per_group: int
+    per_group_plain: int
+
+
+OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach")
+
+OPTIMIZER_OPS = {
+    # torch 2.13 torch/optim/adam.py, _single_tensor_adam: plain `step_t += 1` (l. 414) and
+    # `_get_value(step_t)` (.item(), l. 528); on the tensors `param.mul_` (decoupled weight decay,
+    # l. 419; AdamW only: Adam's default weight_decay is 0), `exp_avg.lerp_` (l. 456),
+    # `exp_avg_sq.mul_(...).addcmul_` (l. 475), `exp_avg_sq.sqrt() / ... .add_(eps)` (l. 544),
+    # `param.addcdiv_` (l. 546).
+    ("adamw", "for-loop"): OptimizerOps(8, 2, 0, 0),
+    ("adam", "for-loop"): OptimizerOps(7, 2, 0, 0),
+    # _multi_tensor_adam: plain `torch.tensor(1.0)` and `_foreach_add_` of the steps (l. 682), two
+    # `.item()` per parameter (l. 772, 775); foreach `_mul_` (weight decay, l. 691; AdamW only),
+    # `_lerp_` (l. 704), `_mul_` (l. 708), `_addcmul_` (l. 721), `_sqrt` (l. 790), `_div_`,
+    # `_add_` (l. 792-793), `_addcdiv_` (l. 794).
+    ("adamw", "foreach"): OptimizerOps(0, 2, 8, 2),
+    ("adam", "foreach"): OptimizerOps(0, 2, 7, 2),
+    # torch/optim/sgd.py (torch defaults: weight_decay 0; momentum 0 for "sgd"):
+    # _single_tensor_sgd `param.add_` (l. 379), with momentum `buf.mul_(...).add_` (l. 364);
+    # _multi_tensor_sgd `_foreach_add_` (l. 472), with momentum `_foreach_mul_`, `_foreach_add_`
+    # (l. 445-446). Momentum buffers as after the first step (that one clones the gradient).
+    ("sgd", "for-loop"): OptimizerOps(1, 0, 0, 0),
+    ("sgd_momentum", "for-loop"): OptimizerOps(3, 0, 0, 0),
+    ("sgd", "foreach"): OptimizerOps(0, 0, 1, 0),
+    ("sgd_momentum", "foreach"): OptimizerOps(0, 0, 3, 0),
+}
+"""Ops per step of each optimizer (:data:`~autoparallel.solver.memory.OPTIMIZER_STATES`'s keys,
+``torch.optim`` defaults) and implementation, counted in the torch source (lines of torch
+2.13) and checked by counting the dispatched ops of real steps (tests/test_optimizer_cost.py)."""
+
+OPTIMIZER_ELEMENTS = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3}
+"""Elements read and written per parameter element by one optimizer step: Adam(W) reads the
+parameter, its gradient and both moments and writes the parameter and both moments; SGD with
+momentum reads the parameter, gradient and buffer and writes the parameter and buffer; SGD
+reads the parameter and gradient and writes the parameter."""
+
+
+def optimizer_implementation(device_type: str) -> str:
+    """The implementation ``torch.optim`` picks by default for parameters on ``device_type``
+    (``torch/optim/optimizer.py``, ``_default_to_fused_or_foreach``: foreach where torch has
+    foreach kernels, CUDA among them, the per-tensor loop elsewhere, CPU among them; fused is
+    never the default): ``"foreach"`` or ``"for-loop"``."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return "foreach" if device_type in _get_foreach_kernels_supported_devices() else "for-loop"
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -133,7 +215,7 @@ PROFILE_TOLERANCE = 0.25
 """Largest relative deviation ``|line(B) − t(B)| / t(B)`` over the measured sizes for which a
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
-PROFILE_FORMAT = 2  # 2: DevicePreset.op_overhead. Version of the CommProfile JSON layout; part of the profile key
+PROFILE_FORMAT = 3  # 2: DevicePreset.op_overhead; 3: dtensor_op_overhead. Version of the CommProfile JSON layout; part of the profile key
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
@@ -538,30 +620,58 @@ class CostModel:
         return what if type(self) is CostModel else f"{type(self).__qualname__}: {what}"
 
     # ------------------------------------------------------------ communication
-    def collective_time(self, kind: str, axis: int, nbytes: float) -> float:
+    def collective_time(self, kind: str, axis: int | None, nbytes: float) -> float:
         """Seconds for one collective ``kind`` over mesh axis ``axis`` (formulas above).
+
+        ``axis=None``: over every device of the mesh at once, one process group spanning the
+        world, as the runtime all-reduces a gradient bucket replicated along axes that
+        together span it (:func:`autoparallel.runtime_kernels.grad_reduction._world_group`):
+        the ring formulas with ``n`` the world size and ``α``, ``β`` the largest of the
+        per-link values of the mesh's axes of more than one device (:meth:`_link`): a ring
+        through every device crosses the links of every axis and runs at the pace of its
+        slowest. A profile measures collectives per axis, not over the world, so with one
+        this is an estimate from its per-axis lines.
 
         Raises:
             ValueError: for an unknown collective kind.
         """
-        n = self.mesh.shape[axis]
+        if axis is None:
+            n = math.prod(self.mesh.shape)
+            links = [self._link(a) for a, m in enumerate(self.mesh.shape) if m > 1]
+            table = None
+        else:
+            n = self.mesh.shape[axis]
+            links = [(self.mesh.alpha[axis], self.mesh.beta[axis])]
+            table = self.profile.tables.get((axis, kind)) if self.profile is not None else None
         if n == 1:
             return 0.0
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}")
-        table = self.profile.tables.get((axis, kind)) if self.profile is not None else None
         if table is not None:
             return table.time(nbytes)
-        a, b = self.mesh.alpha[axis], self.mesh.beta[axis]
+        a, b = max(x for x, _ in links), max(y for _, y in links)
         if kind == "all_reduce":
             return a + 2 * (n - 1) / n * nbytes * b
         return a + (n - 1) / n * nbytes * b
 
-    def grad_reduction_time(self, axis: int, nbytes: float) -> float:
+    def _link(self, axis: int) -> tuple[float, float]:
+        """``(alpha, beta)`` of one link of mesh axis ``axis``: seconds, and seconds per byte
+        without the ring factor (a profile's all-reduce line, its slope divided by
+        ``2(n−1)/n``; else the mesh's)."""
+        n = self.mesh.shape[axis]
+        table = self.profile.tables.get((axis, "all_reduce")) if self.profile is not None else None
+        if table is not None:
+            return table.alpha, table.beta * n / (2 * (n - 1))
+        return self.mesh.alpha[axis], self.mesh.beta[axis]
+
+    def grad_reduction_time(self, axis: int | None, nbytes: float) -> float:
         """Seconds a parameter's gradient of ``nbytes`` adds to the bucketed all-reduce over
         ``axis``: the bandwidth term only (with a profile, the slope of its all-reduce line);
-        the bucket's latency is paid once per axis. The planner counts the part that the
-        runtime overlaps with the backward as exposed time only (:func:`exposed_comm_time`)."""
+        the bucket's latency is paid once per axis. ``axis=None``: over the whole mesh as one
+        group (:meth:`collective_time`). The planner counts the part that the runtime overlaps
+        with the backward as exposed time only (:func:`exposed_comm_time`)."""
+        if axis is None:
+            return self.collective_time("all_reduce", None, nbytes) - self.collective_time("all_reduce", None, 0)
         n = self.mesh.shape[axis]
         if n == 1:
             return 0.0
@@ -569,6 +679,55 @@ class CostModel:
         if table is not None:
             return table.beta * nbytes
         return 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
+
+    # ------------------------------------------------------------ optimizer
+    def optimizer_step_time(self, numel: int, itemsize: int, optimizer: str = "adamw",
+                            implementation: str = "for-loop", params: int = 1) -> float:
+        """Seconds one optimizer step spends on one trainable parameter, on one device:
+
+            ``E·numel·itemsize / mem_bw + k_p·o_D + k_pp·o + (k_g·o_D + k_gp·o) / params``
+
+        with ``numel`` the elements of the parameter's *local shard* (a parameter sharded over
+        ``n`` devices updates ``1/n`` of it on each: the point of ZeRO, Rajbhandari et al., SC
+        2020, §5), ``E`` the elements read and written per element
+        (:data:`OPTIMIZER_ELEMENTS`: 7 for AdamW), ``o_D`` the device's
+        ``dtensor_op_overhead`` (the module's parameters, gradients and states are DTensors),
+        ``o`` its ``op_overhead`` (ops on plain tensors: the step counters), and ``k_p``,
+        ``k_pp``, ``k_g``, ``k_gp`` the ops :data:`OPTIMIZER_OPS` counts per parameter and per
+        parameter group for ``implementation``; a foreach group's ops are shared equally by its
+        ``params`` parameters, so that the sum over the parameters is the step. The traffic
+        term is the roofline's (Williams et al., CACM 2009) memory side; the update's FLOPs
+        (about one per byte) are never the bound.
+
+        Limits: the unfused implementations pass over the data once per op (AdamW: about 20
+        elements per element, not 7); this prices the bytes that reach memory when one
+        parameter's tensors stay in cache between its ops (the per-tensor loop), and
+        under-prices parameters larger than the cache and the foreach loop's passes over a
+        whole group. Python's own per-parameter work in ``Optimizer.step`` and the per-tensor
+        work inside a foreach op are not counted. One parameter group of one dtype and device
+        (``torch.optim``'s foreach groups its tensors by device and dtype).
+
+        Args:
+            numel: elements of the parameter on this device.
+            itemsize: bytes per element of the parameter (and of its gradient and states).
+            optimizer: a key of :data:`~autoparallel.solver.memory.OPTIMIZER_STATES`.
+            implementation: ``"for-loop"`` or ``"foreach"`` (:func:`optimizer_implementation`).
+            params: trainable parameters in the step (the foreach group's size).
+
+        Raises:
+            ValueError: an unknown optimizer or implementation, ``params`` below 1.
+        """
+        ops = OPTIMIZER_OPS.get((optimizer, implementation))
+        if ops is None:
+            raise ValueError(f"no optimizer cost for optimizer={optimizer!r}, implementation={implementation!r}; "
+                             f"optimizers {sorted(OPTIMIZER_ELEMENTS)}, implementations {OPTIMIZER_IMPLEMENTATIONS}")
+        if params < 1:
+            raise ValueError(f"optimizer_step_time: params must be >= 1, got {params!r}")
+        dev = self.device
+        traffic = OPTIMIZER_ELEMENTS[optimizer] * numel * itemsize / dev.mem_bw
+        per_param = ops.per_param * dev.dtensor_op_overhead + ops.per_param_plain * dev.op_overhead
+        per_group = ops.per_group * dev.dtensor_op_overhead + ops.per_group_plain * dev.op_overhead
+        return traffic + per_param + per_group / params
 
     # ------------------------------------------------------------ compute
     def compute_time(self, target, flops: float, nbytes: float, dtype: torch.dtype | None,

@@ -25,9 +25,9 @@ from ..tracer.annotate import node_info
 from .shared_layers import layer_templates
 from ..explain import alternatives
 from ..plot import memory_timeline
-from .costs import CostModel, exposed_comm_time
+from .costs import CostModel, exposed_comm_time, optimizer_implementation
 from .ilp import FixedCharge, Flow, ILPEdge, ILPProblem, solve
-from .memory import MemoryModel
+from .memory import DEFAULT_OPTIMIZER, MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
 from .rotor import InfeasibleBudget, solve as rotor_solve
 from .layout import Redistributor
@@ -96,11 +96,16 @@ class Planner:
             (:func:`written_back_outputs`).
         reduce_dtype: the dtype parameter gradients are all-reduced in (a mixed-precision
             policy's, :func:`autoparallel.precision.reduce_dtype`); ``None``: their own.
+        optimizer: the optimizer whose step is priced (a key of
+            :data:`~autoparallel.solver.memory.OPTIMIZER_STATES`).
+        device: the device type the module will run on: picks the optimizer's implementation
+            (:func:`~autoparallel.solver.costs.optimizer_implementation`).
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
                  share_layers: bool = True, memory: MemoryModel | None = None, outputs: str = "replicated",
-                 whole_outputs: frozenset[int] = frozenset(), reduce_dtype: torch.dtype | None = None):
+                 whole_outputs: frozenset[int] = frozenset(), reduce_dtype: torch.dtype | None = None,
+                 optimizer: str = DEFAULT_OPTIMIZER, device: str = "cpu"):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -112,6 +117,7 @@ class Planner:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self._grad_params = {n.name for n in self.nodes if n.op == "get_attr" and node_info(n).requires_grad}
         self.reduce_dtype = reduce_dtype
+        self.optimizer, self.optimizer_impl = optimizer, optimizer_implementation(device)
         self._layer = {n: layer_of(n) for n in self.nodes}
         self._pinned = aliased_edges(self.nodes)
         self.share_layers = share_layers
@@ -163,12 +169,14 @@ class Planner:
 
     def node_cost(self, node: fx.Node, s: Strategy, backward: bool = True) -> tuple[float, float, int]:
         """(compute s, own communication s, memory bytes) of ``node`` under ``s``; compute
-        covers forward and backward, or the forward only when ``backward`` is False."""
+        covers forward and backward, or the forward only when ``backward`` is False; a
+        trainable parameter's compute is its optimizer update (:meth:`optimizer_time`)."""
         info = node_info(node)
         ms = self.mesh.shape
         out_bytes = sum(_local_bytes(sh, dt, sp, ms) for (sh, dt), sp in zip(info.outputs, s.outputs))
         if node.op == "get_attr":
-            return 0.0, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
+            update = self.optimizer_time(node, s) if backward else 0.0
+            return update, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
         in_bytes = sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
@@ -179,16 +187,37 @@ class Planner:
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
 
+    def optimizer_time(self, node: fx.Node, s: Strategy) -> float:
+        """Seconds the optimizer step spends on parameter ``node``'s local shard under ``s``
+        (:meth:`~autoparallel.solver.costs.CostModel.optimizer_step_time`); 0 for nodes
+        without a gradient."""
+        if node.name not in self._grad_params:
+            return 0.0
+        shape, dtype = node_info(node).outputs[0]
+        numel = math.prod(local_shape(shape, s.outputs[0], self.mesh.shape))
+        return self.cm.optimizer_step_time(numel, dtype.itemsize, self.optimizer, self.optimizer_impl,
+                                           len(self._grad_params))
+
+    def _spans_world(self, spec: Spec) -> bool:
+        """Whether ``spec`` replicates along two or more mesh axes of more than one device that
+        together span the world: the runtime all-reduces such a bucket once over the world's
+        group (:func:`autoparallel.runtime_kernels.grad_reduction._world_group`)."""
+        axes = [a for a, p in enumerate(spec) if p == R and self.mesh.shape[a] > 1]
+        return len(axes) > 1 and math.prod(self.mesh.shape[a] for a in axes) == math.prod(self.mesh.shape)
+
     def grad_reduction(self, node: fx.Node, s: Strategy) -> tuple[float, float]:
         """Bandwidth seconds of the all-reduce of parameter ``node``'s gradient under ``s``, as
         ``(launched, after)``: over the first mesh axis of more than one device that ``s``
         replicates it along, which the runtime launches during the backward
         (:mod:`autoparallel.runtime_kernels.grad_reduction`), and over the further such axes,
-        reduced after the backward. ``(0, 0)`` for other nodes."""
+        reduced after the backward; when those axes together span the world, one all-reduce
+        over the world, launched (:meth:`_spans_world`). ``(0, 0)`` for other nodes."""
         if node.name not in self._grad_params:
             return 0.0, 0.0
         shape, dtype = node_info(node).outputs[0]
         nbytes = _local_bytes(shape, self.reduce_dtype or dtype, s.outputs[0], self.mesh.shape)
+        if self._spans_world(s.outputs[0]):
+            return self.cm.grad_reduction_time(None, nbytes), 0.0
         times = [self.cm.grad_reduction_time(a, nbytes) for a, p in enumerate(s.outputs[0])
                  if p == R and self.mesh.shape[a] > 1]
         return (times[0], sum(times[1:])) if times else (0.0, 0.0)
@@ -396,23 +425,35 @@ class Planner:
                 row[i] += terms[t][si]
         return rows
 
+    def _reduction_groups(self, spec: Spec) -> list[int | None]:
+        """The process groups a gradient of a parameter held in ``spec`` is all-reduced over:
+        mesh axes of more than one device, or ``[None]`` for the world's group
+        (:meth:`_spans_world`)."""
+        if self._spans_world(spec):
+            return [None]
+        return [a for a, p in enumerate(spec) if p == R and self.mesh.shape[a] > 1]
+
+    def _latency(self, group: int | None) -> float:
+        """Seconds of an empty all-reduce over mesh axis ``group`` (``None``: the world)."""
+        return self.cm.collective_time("all_reduce", group, 0)
+
     def _latency_charges(self, built: GroupedProblem) -> list[FixedCharge]:
-        """One all-reduce latency per mesh axis of more than one device along which some
-        parameter with a gradient is replicated (the gradient buckets' latency, paid once per
-        axis and in full), as ILP fixed charges over the strategies that replicate one."""
+        """One all-reduce latency per process group that some parameter's gradient is reduced
+        over (:meth:`_reduction_groups`: a mesh axis, or the world; the gradient buckets'
+        latency, paid once per group and in full), as ILP fixed charges over the strategies
+        that reduce over it."""
         charges = []
-        for a, n in enumerate(self.mesh.shape):
-            if n == 1:
-                continue
+        for group in [None] + [a for a, n in enumerate(self.mesh.shape) if n > 1]:
             strategies: dict[int, list[int]] = {}
             for node in self.nodes:
                 if node.name in self._grad_params:
                     t = built.template[node]
-                    ks = [i for i, si in enumerate(built.fmap[t]) if self.strategies[t][si].outputs[0][a] == R]
+                    ks = [i for i, si in enumerate(built.fmap[t])
+                          if group in self._reduction_groups(self.strategies[t][si].outputs[0])]
                     if ks:
                         strategies[built.group[built.root[t]]] = ks
             if strategies:
-                charges.append(FixedCharge(self.cm.collective_time("all_reduce", a, 0), strategies))
+                charges.append(FixedCharge(self._latency(group), strategies))
         return charges
 
     def grad_comm(self, choice: dict[fx.Node, Strategy]) -> tuple[float, float]:
@@ -433,8 +474,9 @@ class Planner:
                 g, c = self._launch_term(node, s)
                 launches[k][0] += g
                 launches[k][1] += c
-        latency = sum(self.cm.collective_time("all_reduce", a, 0) for a, n in enumerate(self.mesh.shape)
-                      if n > 1 and any(choice[p].outputs[0][a] == R for p in self.nodes if p.name in self._grad_params))
+        groups = {g for p in self.nodes if p.name in self._grad_params
+                  for g in self._reduction_groups(choice[p].outputs[0])}
+        latency = sum(self._latency(g) for g in groups)
         return total + latency, total - hidden + exposed_comm_time(launches) + latency
 
     def _add_edges(self, built: GroupedProblem) -> None:
@@ -731,7 +773,9 @@ class Planner:
         # the nodes' comm_s hold their gradients' whole bandwidth; the step waits for the exposed part
         grad_total, grad_exposed = self.grad_comm(choice)
         comm += grad_exposed - sum(sum(self.grad_reduction(n, s)) for n, s in choice.items())
-        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
+        # compute holds the optimizer step: each trainable parameter's node_cost is its update
+        optimizer = sum(self.optimizer_time(n, s) for n, s in choice.items())
+        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
                     "grad_comm_s": grad_total, "exposed_grad_comm_s": grad_exposed}
         if memory:
             estimate["peak_memory_bytes"] = memory["peak_bytes"]

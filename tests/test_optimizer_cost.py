@@ -1,0 +1,185 @@
+"""The optimizer step in the modelled step time (CostModel.optimizer_step_time), and the gradient
+bucket spanning the world priced as the one all-reduce the runtime runs (docs/design.md,
+"The optimizer step and the world-spanning bucket in the estimate")."""
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autoparallel
+from autoparallel.mesh import MeshSpec
+from autoparallel.solver.costs import (OPTIMIZER_ELEMENTS, OPTIMIZER_OPS, CostModel, DevicePreset,
+                                       optimizer_implementation)
+from autoparallel.solver.memory import OPTIMIZER_STATES
+from models import MLP
+
+# no per-op overheads: the optimizer step is its memory traffic alone
+TRAFFIC_ONLY = DevicePreset("traffic only", 1e12, 1e12, 1e10, 2**30)
+
+
+def _plan(cost_model, mesh=(4,), **kw):
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.empty(64, 256, device="meta")
+    return autoparallel.plan(model, {"x": x, "y": x}, mesh_shape=mesh, cache_dir=False, cost_model=cost_model,
+                             baselines=False, **kw)
+
+
+def test_every_optimizer_is_priced():
+    assert set(OPTIMIZER_ELEMENTS) == set(OPTIMIZER_STATES)
+    assert {k for k, _ in OPTIMIZER_OPS} == set(OPTIMIZER_STATES)
+    assert optimizer_implementation("cpu") == "for-loop" and optimizer_implementation("cuda") == "foreach"
+    with pytest.raises(ValueError, match="no optimizer cost for optimizer='lion'"):
+        CostModel("cpu").optimizer_step_time(10, 4, "lion")
+
+
+def test_cost_scales_with_the_local_shard():
+    """A parameter sharded over 4 devices updates a quarter of its elements on each: a quarter
+    of the traffic; the per-op overhead does not shrink."""
+    n = 1 << 20
+    cm = CostModel("cpu")
+    whole, quarter = cm.optimizer_step_time(n, 4), cm.optimizer_step_time(n // 4, 4)
+    traffic = OPTIMIZER_ELEMENTS["adamw"] * n * 4 / cm.device.mem_bw
+    overhead = 8 * cm.device.dtensor_op_overhead + 2 * cm.device.op_overhead
+    assert whole == pytest.approx(traffic + overhead)
+    assert quarter == pytest.approx(traffic / 4 + overhead)
+    # in a plan: sharding every parameter over the mesh of 4 (FSDP) against replicating them (DDP)
+    data = _plan(CostModel(TRAFFIC_ONLY), parallelism="data").estimate["optimizer_s"]
+    fsdp = _plan(CostModel(TRAFFIC_ONLY), parallelism="fsdp").estimate["optimizer_s"]
+    params = 4 * (256 * 256 + 256)
+    assert data == pytest.approx(7 * params * 4 / TRAFFIC_ONLY.mem_bw)
+    assert fsdp == pytest.approx(data / 4)
+
+
+def test_sgd_costs_less_than_adamw():
+    cm = CostModel("cpu")
+    for impl in ("for-loop", "foreach"):
+        times = {o: cm.optimizer_step_time(4096, 4, o, impl, params=8) for o in OPTIMIZER_STATES}
+        assert times["sgd"] < times["sgd_momentum"] < times["adam"] < times["adamw"], (impl, times)
+    sgd = _plan(CostModel("cpu"), optimizer="sgd").estimate["optimizer_s"]
+    adamw = _plan(CostModel("cpu"), optimizer="adamw").estimate["optimizer_s"]
+    assert 0 < sgd < adamw
+
+
+def test_foreach_shares_its_group_ops():
+    """foreach: the group's ops are shared by its parameters, so the parameters' sum is the step."""
+    dev = CostModel("cpu").device
+    cm = CostModel("cpu")
+    step = sum(cm.optimizer_step_time(0, 4, "adamw", "foreach", params=52) for _ in range(52))
+    assert step == pytest.approx(8 * dev.dtensor_op_overhead + 2 * dev.op_overhead + 52 * 2 * dev.op_overhead)
+    loop = sum(cm.optimizer_step_time(0, 4, "adamw", "for-loop", params=52) for _ in range(52))
+    assert loop == pytest.approx(52 * (8 * dev.dtensor_op_overhead + 2 * dev.op_overhead))
+
+
+def test_estimate_includes_the_optimizer_step():
+    plan = _plan(CostModel("cpu"), mesh=(2, 2))
+    est = plan.estimate
+    assert 0 < est["optimizer_s"] < est["compute_s"]
+    assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
+    assert plan.solver_stats["objective_s"] == pytest.approx(est["step_time_s"], rel=1e-9)
+    # each trainable parameter's row carries its update: the rows add up to optimizer_s
+    params = [n for n in plan.nodes.values() if n.op == "get_attr"]
+    assert sum(n.compute_s for n in params) == pytest.approx(est["optimizer_s"])
+    assert "(optimizer step " in str(plan)
+
+
+def test_world_spanning_bucket_is_one_all_reduce():
+    """A data-parallel plan on (2, 2): every gradient is all-reduced once over the 4 devices
+    (2·3/4 = 1.5 buffers moved, one latency), below an all-reduce per axis (2 · 2·1/2 = 2
+    buffers, two latencies)."""
+    cm = CostModel("cpu")
+    plan = _plan(cm, mesh=(2, 2), parallelism="data")
+    mesh = cm.mesh
+    nbytes = 4 * (4 * (256 * 256 + 256))
+    per_axis = sum(cm.collective_time("all_reduce", a, nbytes) for a in range(2))
+    world = cm.collective_time("all_reduce", None, nbytes)
+    assert world == pytest.approx(mesh.alpha[0] + 1.5 * nbytes * mesh.beta[0])
+    assert plan.estimate["grad_comm_s"] == pytest.approx(world)
+    assert plan.estimate["grad_comm_s"] < per_axis
+    # the slowest axis' link prices the ring over the world
+    slow = CostModel("cpu").bind(MeshSpec((2, 2), alpha=(1e-6, 5e-6), beta=(1e-10, 4e-10)))
+    assert slow.collective_time("all_reduce", None, nbytes) == pytest.approx(5e-6 + 1.5 * nbytes * 4e-10)
+
+
+def test_world_bucket_from_a_profile():
+    """With a profile, each axis' link is its all-reduce line over the ring factor."""
+    from autoparallel.solver.costs import CollectiveTable, CommProfile, IDENTITY_FIELDS
+
+    identity = dict.fromkeys(IDENTITY_FIELDS, "x") | {"world_size": 4, "mesh_shape": [2, 2], "hosts": ["h"] * 4}
+    sizes = (4096, 1 << 20)
+    tables = {(a, k): CollectiveTable.fit(sizes, [alpha + beta * b for b in sizes])
+              for a, (alpha, beta) in enumerate(((1e-5, 1e-9), (2e-5, 3e-9)))
+              for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    cm = CostModel.from_profile(CommProfile(identity, ("dp", "tp"), tables, TRAFFIC_ONLY)).bind(MeshSpec((2, 2)))
+    # axis 1's line 2e-5 + 3e-9 B holds the ring factor 2·1/2 = 1: its link is 3e-9 s/B
+    assert cm.collective_time("all_reduce", None, 1 << 20) == pytest.approx(2e-5 + 1.5 * (1 << 20) * 3e-9, rel=1e-6)
+
+
+# ------------------------------------------------------------------ ops counted in real steps
+class _CountOps(TorchDispatchMode):
+    """Counts the ops dispatched, on DTensors and on plain tensors (the step's profiler
+    record_function markers left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not str(func).startswith("profiler."):
+            on_dtensor = any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs)))
+            self.counts["dtensor" if on_dtensor else "plain"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def dtensor_params(tmp_path_factory):
+    """The parameters, with gradients, of an MLP made parallel on a 1-device mesh of a real
+    1-rank gloo process group: DTensors, as on any mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.empty(8, 32, device="meta")
+        pmodel = autoparallel.autoparallelize(MLP(hidden=32, layers=2), {"x": x, "y": x}, device_mesh=mesh,
+                                              cache_dir=False, cost_model=CostModel("cpu"))
+        pmodel(x=torch.randn(8, 32), y=torch.randn(8, 32)).backward()
+        params = list(pmodel.parameters())
+        assert len(params) == 4 and all(isinstance(p, DTensor) and p.grad is not None for p in params)
+        yield params
+    finally:
+        dist.destroy_process_group()
+
+
+def _count_second_step(opt) -> collections.Counter:
+    opt.step()  # the first step creates the states
+    with _CountOps() as counted:
+        opt.step()
+    return counted.counts
+
+
+OPTIMIZERS = {"adamw": lambda ps, **kw: torch.optim.AdamW(ps, **kw), "adam": lambda ps, **kw: torch.optim.Adam(ps, **kw),
+              "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, **kw),
+              "sgd_momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **kw)}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATES))
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach"])
+def test_op_counts_match_a_real_step(dtensor_params, optimizer, implementation):
+    """OPTIMIZER_OPS (counted in the torch source) against the ops a real step dispatches."""
+    counts = _count_second_step(OPTIMIZERS[optimizer](dtensor_params, foreach=implementation == "foreach"))
+    ops, n = OPTIMIZER_OPS[(optimizer, implementation)], len(dtensor_params)
+    assert counts["dtensor"] == ops.per_param * n + ops.per_group
+    assert counts["plain"] == ops.per_param_plain * n + ops.per_group_plain
+
+
+def test_cpu_default_is_the_per_tensor_loop(dtensor_params):
+    """torch.optim's default on CPU DTensors runs the per-tensor loop's ops."""
+    assert _count_second_step(torch.optim.AdamW(dtensor_params)) == \
+        _count_second_step(torch.optim.AdamW(dtensor_params, foreach=False))
