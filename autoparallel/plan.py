@@ -165,7 +165,8 @@ class NodePlan:
         name / op / module_path: the fx node, its ATen op and its module.
         in_shapes / out_shapes: global shapes of the data tensor inputs and outputs.
         input_specs / output_specs: the specs the strategy needs and produces.
-        compute_s: forward + backward compute seconds on one device.
+        compute_s: forward + backward compute seconds on one device; for a trainable
+            parameter, its update by the optimizer step.
         comm_s: seconds of communication charged to the node: resharding its inputs and,
             for parameters, reducing their gradients.
         memory_bytes: bytes per device of the node's outputs (for parameters, value and gradient).
@@ -286,8 +287,9 @@ class Plan:
         nodes: per node (in graph order) its :class:`NodePlan`.
         redistributions: every resharding between nodes.
         param_placements: parameter and buffer name (tied names included) → spec.
-        estimate: ``step_time_s`` (predicted seconds of one forward+backward, recomputation
-            included), ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device, with
+        estimate: ``step_time_s`` (predicted seconds of one training step: forward, backward,
+            recomputation and the optimizer step), ``compute_s`` (the optimizer step included),
+            ``optimizer_s`` (that step's part of ``compute_s``), ``comm_s``, ``peak_memory_bytes`` (per device, with
             recomputation when there is some) and ``memory`` (the peak without recomputation,
             its step and breakdown, see :mod:`autoparallel.solver.memory`; with recomputation
             also ``checkpointed_peak_bytes``); ``costs``: what priced the plan
