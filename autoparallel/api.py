@@ -34,6 +34,7 @@ from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
 from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
+from .pickling import ParallelGraph
 from .placement import R, Shard, Spec, spec_str, spec_to_json
 from .plan import Plan
 from .profile import profile_mesh
@@ -41,6 +42,7 @@ from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, device_capacity, preset_capacity, resolve_budget
 from .solver.planner import Planner, written_back_outputs
 from .strategies import StrategyGenerator
+from .summary import record_reads
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
 from .tracer.autocast import ambient_autocast
@@ -123,6 +125,7 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                       reduce_dtype=precision.reduce_dtype(mp_policy), optimizer=optimizer, device=device)
     progress.stage("costs and ILP solve")
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
+    record_reads(plan, traced.gm)  # what the summary follows from a parameter to its cast and slices
     plan.estimate["costs"] = cost_model.describe()
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
@@ -685,7 +688,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
-    gm = fx.GraphModule(root, graph, class_name="ParallelGraph")
+    gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}

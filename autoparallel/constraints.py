@@ -25,8 +25,18 @@ Placement grammar (the plan's notation with mesh-axis names, as :func:`~autopara
 
     placements := item (" " item)*
     item       := kind ["(" axis ")"]
-    kind       := "R" | "P" | "S" dim          dim: the tensor dim split, an int >= 0
+    kind       := "R" | "P" | "S" dim ["u" unit]
+    dim        := the tensor dim split, an int >= 0
+    unit       := rows per unit of a split in units, an int >= 2
     axis       := a mesh axis name ("tp") or index ("1")
+
+``S2u8(tp)`` is a split in whole units of 8 rows (:class:`~autoparallel.placement.UnitShard`:
+25 heads of 8 columns on 2 devices are 104 and 96 columns), as ``str(plan)``,
+``plan.table()`` and ``plan.explain()`` print it; it is legal only where
+:func:`~autoparallel.placement.spec_problem` accepts it for the tensor's shape (the unit
+divides the dim, the mesh axis does not divide its units, one mesh axis, no device left
+empty), and never for a parameter or buffer, which DTensor stores (such a pin lists the
+tensor's legal placements).
 
 Either every item names its mesh axis, and the axes not named are replicated
 (``"S0(tp)"`` on a ("dp", "tp") mesh is ``(Replicate(), Shard(0))``; ``"S0(dp) S0(tp)"``
@@ -36,7 +46,14 @@ placement tuple (``(Shard(0), Replicate())``, one per mesh axis) is accepted as 
 
 ``"STORED -> USED"`` pins a tensor's placement and how every op that reads it takes it:
 ``"S0(dp) -> R"`` keeps a parameter split over dp and all-gathered for compute (FSDP);
-without ``->`` the planner chooses how it is read.
+without ``->`` the planner chooses how it is read (and where a mixed-precision policy's cast
+runs). The nodes the capture adds between a parameter and the ops of the model are not such
+ops: under a policy the parameter's cast to ``param_dtype`` runs on the stored placement
+(FSDP2 casts the shard) and ``USED`` is how the ops take the cast copy (``"S0(dp) -> R"``
+all-gathers ``param_dtype`` bytes, as FSDP2 does);
+a fused projection's slices (:mod:`autoparallel.tracer.fused`) run on the stored placement
+where they can (it does not split the sliced dim) and ``USED`` is how the products take
+each part.
 """
 
 from __future__ import annotations
@@ -55,9 +72,9 @@ from torch.distributed.tensor.placement_types import Placement
 from .errors import AutoParallelError
 from .graph import tensor_inputs
 from .mesh import MeshSpec
-from .placement import P, R, Spec, format_spec, spec_to_json
+from .placement import P, R, Spec, format_spec, shard, spec_problem, spec_to_json, unit_of
 
-_ITEM = re.compile(r"(R|P|S(0|[1-9][0-9]*))(?:\(([^()\s]+)\))?")
+_ITEM = re.compile(r"(R|P|S(0|[1-9][0-9]*)(?:u([2-9]|[1-9][0-9]+))?)(?:\(([^()\s]+)\))?")
 
 
 class ConstraintError(AutoParallelError, ValueError):
@@ -82,10 +99,14 @@ def parse_spec(text: str, axis_names: Sequence[str]) -> Spec:
     for item in items:
         m = _ITEM.fullmatch(item)
         if m is None:
-            raise ConstraintError(f"bad placement {item!r} in {text!r}: expected R, P or S<dim>, optionally "
-                                  f"followed by a mesh axis in parentheses, one of {names} or its index")
-        kind = Shard(int(m.group(2))) if m.group(2) is not None else (R if m.group(1) == "R" else P)
-        parsed.append((kind, m.group(3)))
+            raise ConstraintError(f"bad placement {item!r} in {text!r}: expected R, P, S<dim> or S<dim>u<unit> "
+                                  "(unit >= 2, no leading zeros), optionally followed by a mesh axis in "
+                                  f"parentheses, one of {names} or its index")
+        if m.group(2) is not None:
+            kind = shard(int(m.group(2)), int(m.group(3) or 1))
+        else:
+            kind = R if m.group(1) == "R" else P
+        parsed.append((kind, m.group(4)))
     if items == ["R"]:
         return (R,) * len(names)
     named = [axis is not None for _, axis in parsed]
@@ -138,7 +159,8 @@ def as_spec(value, mesh: MeshSpec, pattern: str) -> Spec:
         if not all(isinstance(p, (Shard, Replicate, Partial)) for p in value):
             raise ConstraintError(f"constraint {pattern!r}: placements must be Shard, Replicate or Partial, "
                                   f"not {list(value)}")
-        return tuple(Shard(p.dim) if isinstance(p, Shard) else (P if isinstance(p, Partial) else R) for p in value)
+        return tuple(shard(p.dim, unit_of(p)) if isinstance(p, Shard) else (P if isinstance(p, Partial) else R)
+                     for p in value)
     raise ConstraintError(f"constraint {pattern!r}: placements must be text such as 'S0({mesh.axis_names[-1]})' "
                           f"or a tuple of DTensor placements, not {value!r}")
 
@@ -272,6 +294,7 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
             raise ConstraintError(f"constraint {pattern!r} matches no parameter, buffer, module, input or output "
                                   f"name; some names: {_examples(all_targets)}")
         for t in hits:
+            _check_legal(pattern, t, spec, use, mesh)
             key = (t.kind == "input", t.node)
             p = Pinned(pattern, t, spec, use)
             other = by_node.get(key)
@@ -282,6 +305,23 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
             by_node[key] = p
             pinned.append(p)
     return pinned
+
+
+def _check_legal(pattern: str, t: Target, spec: Spec, use: Spec | None, mesh: MeshSpec) -> None:
+    """Raise ConstraintError when ``spec`` (or ``use``) splits ``t`` in units that cannot place
+    its shape on ``mesh`` (:func:`~autoparallel.placement.spec_problem`), or would store a
+    parameter or buffer in a split in units. (A plain placement no strategy has is reported
+    with the tensor's legal placements by :func:`restrict`.)"""
+    for s in (spec, use):
+        has_units = s is not None and any(unit_of(p) > 1 for p in s)
+        why = spec_problem(s, t.shape, mesh.shape) if has_units else None
+        if why:
+            raise ConstraintError(f"constraint {pattern!r}: {t.label} {list(t.shape)} cannot be placed "
+                                  f"{format_spec(s, mesh.axis_names)}: that placement {why}")
+    if t.kind in ("parameter", "buffer") and any(unit_of(p) > 1 for p in spec):
+        raise ConstraintError(f"constraint {pattern!r}: {t.label} cannot be stored {format_spec(spec, mesh.axis_names)}: "
+                              "parameters and buffers are DTensors, which hold no split in units; pin it "
+                              "replicated or split plainly (the ops reading it may still cut it in units)")
 
 
 def _stored_and_used(value, mesh: MeshSpec, pattern: str) -> tuple[Spec, Spec | None]:
@@ -309,6 +349,12 @@ def restrict(strategies: dict, aliases: dict, pinned: list[Pinned], axis_names: 
     """Keep, for every pinned tensor, only the strategies that place it as pinned: those of
     its producer giving that output spec, or, for an input, those of every op reading it
     taking that input spec; with a ``use``, also those of every op reading it taking it so.
+    With a ``use``, a parameter read through a mixed-precision policy's cast (:func:`policy_cast`)
+    is cast where it is stored and ``use`` applies to the ops reading the cast, as FSDP2 orders it
+    (cast the shard, then all-gather in ``param_dtype``; docs/design.md, "Mixed precision");
+    one read in slices (a fused projection) is sliced where it is stored when the slices can
+    run there, and ``use`` applies to the ops reading the parts (each part gathered, not the
+    whole tensor once per part).
 
     Raises:
         ConstraintError: when no strategy places a tensor as pinned, naming the pattern, the
@@ -321,16 +367,55 @@ def restrict(strategies: dict, aliases: dict, pinned: list[Pinned], axis_names: 
         node, idx = aliases.get(p.target.node, (p.target.node, 0))
         if node in strategies:
             _keep(strategies, node, p, p.spec, axis_names, lambda s, idx=idx: s.outputs[idx], "")
-        if p.use is not None:
-            _keep_readers(strategies, p, p.use, axis_names)
+        if p.use is None:
+            continue
+        read = p.target.node
+        cast = policy_cast(read) if p.target.kind == "parameter" else None
+        if cast is not None and cast in strategies:  # FSDP2's order: cast the stored shard, gather the cast copy
+            _keep(strategies, cast, p, p.spec, axis_names, lambda s: s.inputs[0], f"as read by its cast {cast.name}")
+            read = cast
+        parts = _parts_on_the_shard(strategies, read, p.spec) if p.target.kind == "parameter" else []
+        for part in parts:  # a fused projection's parts sliced from the stored shard, each read as `use`
+            _keep(strategies, part, p, p.spec, axis_names, lambda s: s.inputs[0], f"as read by its slice {part.name}")
+        for r in parts or [read]:
+            _keep_readers(strategies, p, p.use, axis_names, r)
 
 
-def _keep_readers(strategies, p: Pinned, spec: Spec, axis_names) -> None:
-    for user in p.target.node.users:
+def _parts_on_the_shard(strategies, read: fx.Node, spec: Spec) -> list[fx.Node]:
+    """The slices ``read`` (a parameter or its cast) is read through when every op reading it is
+    a slice (a fused projection split into parts, :mod:`autoparallel.tracer.fused`) that can
+    run on ``spec``, the stored placement (one not splitting the sliced dim); else ``[]``."""
+    users = list(read.users)
+    if not users or any(u.target is not torch.ops.aten.slice.Tensor or u not in strategies for u in users):
+        return []
+    return users if all(any(tuple(s.inputs[0]) == spec for s in strategies[u]) for u in users) else []
+
+
+def policy_cast(param: fx.Node) -> fx.Node | None:
+    """The ``aten._to_copy`` a mixed-precision policy reads parameter ``param`` through (its
+    only user, :mod:`autoparallel.tracer.casts`), or ``None``."""
+    users = list(param.users)
+    return users[0] if len(users) == 1 and users[0].target is torch.ops.aten._to_copy.default else None
+
+
+def read_through(param: fx.Node) -> list[fx.Node]:
+    """The nodes parameter ``param`` (a ``get_attr``) is read through before compute: its
+    mixed-precision cast (:func:`policy_cast`) and the slices of it or of its cast (a fused
+    projection split into parts, :mod:`autoparallel.tracer.fused`), in graph order."""
+    cast = policy_cast(param)
+    read = cast or param
+    return ([cast] if cast is not None else []) + [u for u in read.users if u.target is torch.ops.aten.slice.Tensor]
+
+
+def _keep_readers(strategies, p: Pinned, spec: Spec, axis_names, read: fx.Node | None = None) -> None:
+    """Keep the strategies of every op reading ``read`` (default: the pinned tensor) that take
+    it as ``spec``."""
+    read = p.target.node if read is None else read
+    for user in read.users:
         if user not in strategies:
             continue
         for j, (_, x) in enumerate(tensor_inputs(user)):
-            if x is p.target.node:
+            if x is read:
                 _keep(strategies, user, p, spec, axis_names, lambda s, j=j: s.inputs[j], f"as read by {user.name}")
 
 

@@ -18,9 +18,16 @@ of the recipes people write by hand:
   stored split over the first axes (FSDP) along its first dim that the split divides; the
   parameters Megatron splits are gathered over those axes for compute (read in their Megatron
   placement), the ones it replicates are read as the planner chooses (a row-parallel bias is
-  added as a pending sum, ``P(tp)``, so "read whole" cannot be asked of it), and so is a fused
-  projection the tracer reads in slices (a slice of a tensor split along the sliced dim is no
-  local piece of it).
+  added as a pending sum, ``P(tp)``, so "read whole" cannot be asked of it). A fused weight
+  the tracer reads in slices (:mod:`autoparallel.tracer.fused`) is stored split over every axis
+  along a dim the slices keep (a split of the sliced dim is no head-aligned cut of the parts),
+  sliced on the shard, and each part read in its Megatron placement; a fused bias (its only dim
+  is the sliced one) is read as the planner chooses.
+
+Under a mixed-precision policy every parameter pinned ``STORED -> USED`` (FSDP's and FSDP + TP's
+gathered ones) is cast on its shard and gathered in ``param_dtype``, as FSDP2 orders it
+(:func:`autoparallel.constraints.restrict`); the others are cast where the planner finds it
+cheaper.
 
 Roles are found from the traced graph, not from module names: a *projection* is a 2-D
 parameter that a matrix product reads as its weight (``aten.linear``: ``[out, in]``;
@@ -51,7 +58,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .placement import format_spec
-from .constraints import resolve, restrict
+from .constraints import policy_cast, resolve, restrict
 from .errors import AutoParallelError, InfeasiblePlanError
 from .solver.ilp import fold_edges
 from .graph import layer_of
@@ -66,10 +73,9 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
 def _read_as(param: fx.Node) -> fx.Node:
-    """The node ops read parameter ``param`` through: its mixed-precision cast (its only user,
-    a ``_to_copy``: :mod:`autoparallel.tracer.casts`) or ``param`` itself."""
-    users = list(param.users)
-    return users[0] if len(users) == 1 and users[0].target is aten._to_copy.default else param
+    """The node ops read parameter ``param`` through: its mixed-precision cast
+    (:func:`~autoparallel.constraints.policy_cast`) or ``param`` itself."""
+    return policy_cast(param) or param
 
 
 def _reads(read: fx.Node):
@@ -324,6 +330,12 @@ def _recipes(traced, mesh: MeshSpec) -> list[Recipe]:
     both, notes = {}, 0
     for t, d in dims.items():
         shape = roles.params[t]
+        part_dim = next((e for e in range(len(shape)) if e != d and _split(shape, e, size)), None)
+        if t in roles.fused and d is not None and part_dim is not None:
+            # a fused weight is sliced into parts along d, which a split of d would mix: stored split over every
+            # axis along another dim, sliced there, and each part read in its Megatron placement
+            both[t] = spec({a: part_dim for a in every}) + f" -> {spec({tp_axis: d})}"
+            continue
         order = [e for e in range(len(shape)) if e != d] + ([d] if d is not None else [])  # other dims first
         fs = next((e for e in order if _split(shape, e, dp * (tp if e == d else 1))), None)
         notes += fs is None

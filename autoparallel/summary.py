@@ -11,7 +11,8 @@ Sections (:func:`summary`):
 * how each input is split (batch, sequence);
 * per kind of parameter, repeated layers folded (``h.{0..11}.attn.c_attn.weight``): its
   placement, and how it is used: as stored, stored sharded and all-gathered for compute,
-  or split further for compute;
+  or split further for compute (for a fused projection read in slices, what happens to
+  its slices);
 * the collectives of one repeated layer: kind, mesh axis, bytes per device, forward or
   backward, and the gradient reductions of its parameters.
 
@@ -197,21 +198,43 @@ def _dim_name(d: int, ndim: int) -> str:
     return {0: "batch", 1: "sequence"}.get(d, f"dim {d}") if ndim >= 2 else "batch"
 
 
+def record_reads(plan: "Plan", gm) -> None:
+    """Record in ``plan.solver_stats["state_reads"]`` the nodes each parameter's ``get_attr``
+    node of ``gm`` (the traced graph the plan was made for) is read through: its
+    mixed-precision cast and its slices (:func:`autoparallel.constraints.read_through`), by
+    node name; what :func:`parameter_use` follows. Parameters read directly are left out."""
+    from .constraints import read_through
+
+    reads = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.name in plan.state_nodes:
+            through = [n.name for n in read_through(node)]
+            if through:
+                reads[node.name] = through
+    plan.solver_stats["state_reads"] = reads
+
+
 def parameter_use(plan: "Plan", node_name: str) -> str:
     """How the parameter of get_attr node ``node_name`` is used: ``"as stored"``,
     ``"all-gathered over tp"`` (stored sharded, gathered for compute), ``"split over dp"``
-    (stored whole or less split, split further for compute), or several of these."""
+    (stored whole or less split, split further for compute), or several of these. A parameter
+    read through a mixed-precision cast is described by what happens to the cast copy; one read
+    in slices (a fused projection, :mod:`autoparallel.tracer.fused`) by what happens to its
+    slices (``"slices all-gathered over tp"``, ``"slices as stored"``), as recorded by
+    :func:`record_reads` (plans without the record: the parameter's own redistributions only)."""
+    through = plan.solver_stats.get("state_reads", {}).get(node_name, [])
+    slices = {n for n in through if plan.nodes.get(n) is not None and plan.nodes[n].op.startswith("slice.")}
     uses = set()
     for c in plan.redistributions:
-        if c.src != node_name:
+        if c.src != node_name and c.src not in through:
             continue
         kinds = defaultdict(set)
         for m in c.moves:
             kinds[m.kind].add(m.axis)
         for kind, axes in sorted(kinds.items()):
             word = {"all_gather": "all-gathered", "slice": "split", "all_to_all": "re-split (all-to-all)"}.get(kind, kind)
-            uses.add(f"{word} over {_axes(plan, axes)}")
-    return "; ".join(sorted(uses)) if uses else "as stored"
+            uses.add(f"{'slices ' if c.src in slices else ''}{word} over {_axes(plan, axes)}")
+    return "; ".join(sorted(uses)) if uses else ("slices as stored" if slices else "as stored")
 
 
 def _parameters(plan: "Plan") -> str:

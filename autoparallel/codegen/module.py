@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..errors import InputMismatchError
 from ..fqn import get_attr, set_attr
+from ..pickling import NotPicklable, ParallelGraph
 from ..plan import Plan
 from ..runtime_kernels import per_rank
 from .batch_check import BatchCheck
@@ -140,7 +141,7 @@ class Variant:
         return self.training, input_signature(self.input_meta)
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(NotPicklable, nn.Module):
     """The parallel module: same call signature and outputs as the original model.
 
     Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh``, registered under
@@ -217,7 +218,7 @@ class ParallelModule(nn.Module):
             set_attr(self, target, value.to(device), persistent=False)
         self._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
         if graph is not None:  # else the caller adds the first variant (autoparallel.api.emit does)
-            self.add_variant(fx.GraphModule(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
+            self.add_variant(ParallelGraph(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
                              out_spec=out_spec, input_meta=input_meta, buffer_mutations=buffer_mutations)
 
     def graph_root(self, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

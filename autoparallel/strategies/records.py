@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import bind_args
-from ..placement import Spec, local_shape, num_shards, shard_axes
+from ..placement import Spec, dim_unit, local_shape, num_shards, piece_length, shard_axes
 
 
 @dataclass
@@ -109,14 +109,18 @@ class LocalCall:
         """The global index of the first row of this device's piece of dim ``dim`` of tensor
         input ``i`` (a 1-element int64 tensor): the piece number (the mesh axes splitting the
         dim, ascending, count as digits, the first the most significant, as DTensor nests
-        them) times the rows of a piece, ``ceil(size / pieces)``."""
+        them) times the rows of a full piece, ``piece_length(size, pieces, unit)``: every
+        piece before this one is full, as ``torch.chunk`` cuts (``ceil(size / pieces)`` rows,
+        or whole units of a :class:`~autoparallel.placement.UnitShard`: 25 heads of 8 on 2
+        devices start at rows 0 and 104)."""
         size, n = self.in_shapes[i][dim], self.pieces(i, dim)
+        unit = dim_unit(self.input_specs[i], dim)
         index = None
         for a in shard_axes(self.input_specs[i], dim):
             c = self.coord(a)
             index = c if index is None else self.call(torch.ops.aten.add.Tensor, (
                 self.call(torch.ops.aten.mul.Tensor, (index, self.mesh_shape[a])), c))
-        return self.call(torch.ops.aten.mul.Tensor, (index, -(-size // n)))
+        return self.call(torch.ops.aten.mul.Tensor, (index, piece_length(size, n, unit)))
 
 
 @dataclass(frozen=True)
