@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from . import cache, errors, precision, progress, recipes
 from .codegen import ParallelModule
 from .constraints import cache_key as constraints_key, resolve as resolve_constraints
-from .constraints import restrict as restrict_strategies
+from .constraints import policy_cast, restrict as restrict_strategies
 from .codegen.code import readable
 from .codegen.module import Variant
 from .errors import AutoParallelError, MeshMismatchError
@@ -151,13 +151,6 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
     return plan
 
 
-def _policy_cast(param: fx.Node) -> fx.Node | None:
-    """The ``_to_copy`` a mixed-precision policy reads parameter ``param`` through (its only
-    user, :mod:`autoparallel.tracer.casts`), or ``None``."""
-    users = list(param.users)
-    return users[0] if len(users) == 1 and users[0].target is torch.ops.aten._to_copy.default else None
-
-
 def _fsdp(strategies, repl: Spec) -> None:
     """``parallelism="fsdp"``: every trainable parameter kept sharded along every mesh axis
     (where a strategy of it does so) and used whole: its consumers take it replicated, so the
@@ -171,7 +164,7 @@ def _fsdp(strategies, repl: Spec) -> None:
             strategies[node] = split or ss
     # under a mixed-precision policy a parameter is read through its cast (tracer/casts.py): the
     # cast runs on the shard and its consumers gather the half-precision copy, as FSDP2 does
-    params = {_policy_cast(p) or p for p in params}
+    params = {policy_cast(p) or p for p in params}
     for node, ss in strategies.items():
         pos = [j for j, (_, x) in enumerate(tensor_inputs(node)) if x in params] if node.op == "call_function" else []
         whole = [s for s in ss if all(s.inputs[j] == repl for j in pos)]
