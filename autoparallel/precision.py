@@ -15,7 +15,9 @@ copy of the weights, half-precision forward and backward):
   default), floating outputs to ``output_dtype`` when it is set;
 * gradients of parameters replicated along mesh axes are all-reduced in
   :func:`reduce_dtype` and added into the fp32 ``.grad``
-  (:mod:`autoparallel.runtime_kernels.grad_reduction`).
+  (:mod:`autoparallel.runtime_kernels.grad_reduction`); those of parameters kept sharded and
+  all-gathered in ``param_dtype`` are reduce-scattered in it
+  (:func:`~autoparallel.runtime_kernels.param_all_gather`, :func:`gathered_cast`).
 
 ``None`` (the default everywhere) means no policy: the model runs in the dtypes it has, and
 a model already in bf16 is planned and priced in bf16.
@@ -24,7 +26,10 @@ a model already in bf16 is planned and priced in bf16.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .graph import alias_base
 
 HALF = (torch.bfloat16, torch.float16)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, *HALF)}
@@ -64,6 +69,24 @@ def reduce_dtype(policy: MixedPrecisionPolicy | None) -> torch.dtype | None:
     if policy is None:
         return None
     return policy.reduce_dtype or policy.param_dtype
+
+
+def gathered_cast(x: fx.Node, reduce_in: torch.dtype | None) -> fx.Node | None:
+    """The policy's cast of a trainable parameter (``aten._to_copy`` of its ``get_attr``,
+    :mod:`autoparallel.tracer.casts`) when ``x`` is that cast or a view of it, and its
+    gradient, reduced in ``reduce_in`` (:func:`reduce_dtype`), is not in ``x``'s dtype;
+    else ``None``. An all-gather of such a value is emitted as
+    :func:`~autoparallel.runtime_kernels.param_all_gather` (its gradient reduce-scattered
+    in ``reduce_in``, not in the gathered dtype) and priced so by the planner."""
+    val = x.meta.get("val")
+    if reduce_in is None or not isinstance(val, torch.Tensor) or val.dtype == reduce_in:
+        return None
+    cast = alias_base(x)
+    if cast.op != "call_function" or cast.target is not torch.ops.aten._to_copy.default:
+        return None
+    param = cast.args[0]
+    info = param.meta.get("autoparallel") if isinstance(param, fx.Node) and param.op == "get_attr" else None
+    return cast if info is not None and info.requires_grad else None
 
 
 def policy_to_json(policy: MixedPrecisionPolicy | None) -> dict | None:

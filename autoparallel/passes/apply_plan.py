@@ -35,11 +35,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .. import precision
 from ..graph import output_leaves, tensor_inputs
 from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
                          shard_axes, uneven_dims)
 from ..plan import Move, Plan
-from ..runtime_kernels import param_local, reduce_grads_in_bucket, returned
+from ..runtime_kernels import param_all_gather, param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
 from .grad_buckets import DEFAULT_BUCKET_CAP_BYTES, grad_buckets
 
@@ -304,6 +305,7 @@ class _PerDeviceGraph:
         self.env: dict[fx.Node, fx.Node] = {}
         self.by_input = {(c.dst, c.arg): c for c in plan.redistributions}
         self.done: dict[tuple[fx.Node, Spec], fx.Node] = {}  # (value, target spec) → redistributed
+        self.reduce_in = precision.reduce_dtype(plan.mp_policy)  # parameter gradients' reduction dtype
 
     def comment(self, since: fx.Node, text: str) -> None:
         """Attach ``text`` to the first node emitted after ``since``, if any."""
@@ -358,11 +360,60 @@ class _PerDeviceGraph:
             if view is not None:
                 view.meta["comment"] = f"{what}, a view of {x.args[0].name} redistributed"
                 self.done[key] = view
+            elif (cast := precision.gathered_cast(x, self.reduce_in)) is not None and \
+                    any(m.kind == "all_gather" for m in c.moves):
+                self.done[key] = self.gathered_param(x, cast, c.shape, src, c.moves)
+                self.comment(since, f"{what}; the gradient reduce-scattered in {self.reduce_in}")
             else:
                 self.done[key] = self.em.redistribute(self.env[x], c.shape, src, c.moves)
                 self.comment(since, what)
             self.names.setdefault(self.done[key], f"{x.name}_{_spec_tag(target, names)}")
         return self.done[key]
+
+    def gathered_param(self, x: fx.Node, cast: fx.Node, shape, spec: Spec, moves: list[Move]) -> fx.Node:
+        """``x``, the mixed-precision policy's cast of a parameter or a view of it
+        (:func:`~autoparallel.precision.gathered_cast`), redistributed by ``moves``: each run
+        of all-gathers through :func:`~autoparallel.runtime_kernels.param_all_gather`, whose
+        backward reduce-scatters in the policy's reduce dtype, the other moves as
+        :meth:`_Emitter.move` emits them. When ``x`` is the cast and only slices come before
+        the first all-gather, the kernel takes the parameter's own (fp32) shard, as the cast
+        reads it, and casts it itself, so that the reduced fp32 gradient reaches the parameter unrounded (the cast
+        then has no use left and is dropped); else it takes ``x`` as it is and autograd rounds
+        the reduced gradient to ``x``'s dtype once."""
+        first = next(i for i, m in enumerate(moves) if m.kind == "all_gather")
+        cp = self.plan.nodes[cast.name]
+        own = x is cast and cp.input_specs[0] == cp.output_specs[0] and all(m.kind == "slice" for m in moves[:first])
+        if own:  # the parameter as the cast reads it (its shard, or a slice the plan takes of it)
+            value, dtype = self.redistributed(cast.name, 0, cast.args[0]), x.meta["val"].dtype
+        else:
+            value, dtype = self.env[x], None
+        i = 0
+        while i < len(moves):
+            if moves[i].kind != "all_gather":
+                value = self.em.move(value, shape, spec, moves[i])
+                spec = _after(spec, moves[i])
+                i += 1
+                continue
+            steps = []
+            while i < len(moves) and moves[i].kind == "all_gather":
+                steps.append(self.gather_step(shape, spec, moves[i]))
+                spec = _after(spec, moves[i])
+                i += 1
+            value = self.graph.call_function(param_all_gather, (self.em.joined(value), steps),
+                                             {"dtype": dtype, "reduce_dtype": self.reduce_in})
+            dtype = None  # gathered in the policy's dtype by now
+        return self.em.joined(value)
+
+    def gather_step(self, shape, spec: Spec, m: Move) -> tuple:
+        """The :func:`~autoparallel.runtime_kernels.param_all_gather` step of all-gather ``m``
+        (global ``shape``, current ``spec``): ``(group, n, dim, rows per piece, rows after)``,
+        the pieces padded as :meth:`_Emitter.uneven_move` pads them when the split is uneven."""
+        n, d = self.plan.mesh.shape[m.axis], m.src_dim
+        unit = dim_unit(spec, d)
+        if shape[d] % (n * unit):
+            return self.groups[m.axis], n, d, piece_length(shape[d], n, unit), shape[d]
+        rows = local_shape(shape, spec, self.plan.mesh.shape)[d]
+        return self.groups[m.axis], n, d, rows, n * rows
 
     def replicated_view(self, x: fx.Node, target: Spec) -> fx.Node | None:
         """When ``x`` (to be replicated) is a view of a value the plan replicates too, the view

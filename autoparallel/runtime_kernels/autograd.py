@@ -86,3 +86,85 @@ def returned(x: torch.Tensor, copies: int) -> torch.Tensor:
     if x.requires_grad and copies > 1:
         return _ScaleGrad.apply(x, 1.0 / copies)
     return x
+
+
+class _ParamAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, steps, dtype, reduce_dtype):
+        ctx.steps, ctx.reduce_dtype, ctx.shard_dtype = steps, reduce_dtype, shard.dtype
+        x = shard.to(dtype) if dtype is not None else shard
+        ctx.lengths = []
+        for group, n, d, rows, total in steps:
+            ctx.lengths.append(x.size(d))
+            if total != n * rows:  # uneven: every piece padded to ``rows`` rows, the pads dropped after
+                x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1 - d) + [0, rows - x.size(d)])
+            x = _gather(x.contiguous(), n, d, group)
+            if total != n * rows:
+                x = x.narrow(d, 0, total).clone(memory_format=torch.contiguous_format)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = per_rank(grad.to(ctx.reduce_dtype))
+        for (group, n, d, rows, total), length in zip(reversed(ctx.steps), reversed(ctx.lengths)):
+            if total != n * rows:
+                g = torch.constant_pad_nd(g, [0, 0] * (g.dim() - 1 - d) + [0, n * rows - total])
+            g = _reduce_scatter(g, n, d, group)
+            if total != n * rows:
+                g = g.narrow(d, 0, length).clone(memory_format=torch.contiguous_format)
+        return g.to(ctx.shard_dtype), None, None, None
+
+
+def _gather(x: torch.Tensor, n: int, d: int, group: str) -> torch.Tensor:
+    """``x`` (contiguous) all-gathered along dim ``d`` over the ``n`` devices of ``group``."""
+    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, n, group))
+    if d == 0:
+        return y
+    return y.unflatten(0, (n, x.size(0))).movedim(0, d).flatten(d, d + 1)
+
+
+def _reduce_scatter(g: torch.Tensor, n: int, d: int, group: str) -> torch.Tensor:
+    """The conjugate of :func:`_gather`: ``g``'s ``n`` pieces along dim ``d`` summed over
+    ``group``, this device's piece kept."""
+    if d:
+        g = g.unflatten(d, (n, g.size(d) // n)).movedim(d, 0).flatten(0, 1)
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g.contiguous(), "sum", n, group))
+
+
+def param_all_gather(shard: torch.Tensor, steps: list[tuple[str, int, int, int, int]], *,
+                     dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """A parameter's local shard cast to ``dtype`` and all-gathered, whose gradient is
+    reduce-scattered in ``reduce_dtype``: FSDP2's mixed-precision gather (a parameter kept
+    sharded in fp32, gathered in ``param_dtype``, its gradient reduce-scattered in the
+    policy's ``reduce_dtype``; Zhao et al., "PyTorch FSDP", VLDB 2023, §4.2 and torch's
+    ``MixedPrecisionPolicy``). Autograd's own conjugate of a bf16 all-gather would
+    reduce-scatter in bf16.
+
+    Forward: ``shard.to(dtype)``, then one all-gather per step, in order. Backward: the
+    gathered gradient cast to ``reduce_dtype``, one reduce-scatter per step in reverse order
+    (sums in ``reduce_dtype``), cast to ``shard``'s dtype. Given the fp32 shard itself (the
+    emitter's choice), the reduced fp32 sum is the shard's gradient as it is; given a
+    half-precision view of the cast shard, autograd would round that sum to its dtype.
+
+    Args:
+        shard: this device's shard, of any layout; under ``LocalTensorMode`` a ``LocalTensor``
+            (one shard per simulated rank; their sizes differ along an uneven dim).
+        steps: one ``(group, n, dim, rows, total)`` per all-gather: the c10d process-group
+            name of the mesh axis, its ``n`` devices, the tensor dim gathered, the rows of
+            that dim in each device's piece and in the result. ``total < n · rows``: an
+            uneven split (:mod:`autoparallel.placement`, "Uneven splits"), each piece padded
+            with zeros to ``rows`` rows before the gather and the result narrowed to
+            ``total``; the gradient is padded back, reduce-scattered and narrowed to this
+            device's rows, so the pads carry no gradient.
+        dtype: the dtype the shard is cast to before the gathers (the policy's
+            ``param_dtype``); ``None``: gathered in its own.
+        reduce_dtype: the dtype the gradient's reduce-scatters run in.
+
+    Returns:
+        the gathered tensor in ``dtype``, contiguous, with ``total`` rows along each gathered dim.
+
+    Raises:
+        RuntimeError: from c10d, when a group name is unknown or the shards' sizes do not
+            match ``steps`` (a collective of unequal pieces).
+    """
+    return _ParamAllGather.apply(shard, tuple(steps), dtype, reduce_dtype)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .. import precision
 from ..mesh import MeshSpec
 from ..placement import R, Spec, local_shape
 from ..errors import InfeasiblePlanError
@@ -112,6 +113,7 @@ class Planner:
         self.mesh = mesh
         self.cm = cost_model.bind(mesh)
         self.layout = Redistributor(self.cm)
+        self._grad_layouts: dict[float, Redistributor] = {}  # gradient bytes per gathered byte -> prices
         self.param_names = param_names
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
@@ -253,9 +255,23 @@ class Planner:
             return 0.0, 0.0
         return 0.0, self.node_cost(node, s)[0] - self.node_cost(node, s, backward=False)[0]
 
+    def _layout_for(self, val: tuple[fx.Node, int]) -> Redistributor:
+        """The redistribution prices of value ``val``: :attr:`layout`'s, or for a parameter's
+        mixed-precision cast whose gradient is reduced in a wider dtype than it is gathered in
+        (:func:`~autoparallel.precision.gathered_cast`) a :class:`GradDtypeRedistributor`
+        pricing each all-gather's backward in ``reduce_dtype`` bytes, as the runtime runs it
+        (:func:`~autoparallel.runtime_kernels.param_all_gather`)."""
+        if precision.gathered_cast(val[0], self.reduce_dtype) is None:
+            return self.layout
+        ratio = self.reduce_dtype.itemsize / node_info(val[0]).outputs[val[1]][1].itemsize
+        if ratio not in self._grad_layouts:  # shared with restricted() copies: paths priced once
+            self._grad_layouts[ratio] = GradDtypeRedistributor(self.cm, ratio)
+        return self._grad_layouts[ratio]
+
     def _redistribute(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
         shape, dtype = node_info(val[0]).outputs[val[1]]
-        return self.layout.redistribute(shape, dtype.itemsize, dtype.is_floating_point, src, dst, requires_grad)
+        return self._layout_for(val).redistribute(shape, dtype.itemsize, dtype.is_floating_point, src, dst,
+                                                  requires_grad)
 
     def _edge_cost(self, key, val, rg, src: Spec, dst: Spec) -> float:
         """Redistribution seconds on edge ``key`` = (consumer, input, producer, output index);
@@ -263,7 +279,7 @@ class Planner:
         if src != dst and (key[0], key[1]) in self._pinned:
             return math.inf
         shape, dtype = node_info(val[0]).outputs[val[1]]
-        return self.layout.cost(shape, dtype.itemsize, dtype.is_floating_point, src, dst, rg)
+        return self._layout_for(val).cost(shape, dtype.itemsize, dtype.is_floating_point, src, dst, rg)
 
     def _pair_edge(self, key, val, rg, gu: int, gv: int, src_specs: list[Spec], dst_specs: list[Spec]) -> ILPEdge:
         """The ILP edge between groups ``gu`` and ``gv`` (both with a choice) on edge ``key``
@@ -276,7 +292,7 @@ class Planner:
         o_cls, o_list = _classes(src_specs)
         i_cls, i_list = _classes(dst_specs)
         shape, dtype = node_info(val[0]).outputs[val[1]]
-        g, d, move_s = self.layout.distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
+        g, d, move_s = self._layout_for(val).distances(shape, dtype.itemsize, dtype.is_floating_point, rg)
         o_ids, i_ids = [g.index.get(s) for s in o_list], [g.index.get(s) for s in i_list]
         if None in o_ids or None in i_ids or (key[0], key[1]) in self._pinned:  # unit cuts: not in g
             cost = [[self._edge_cost(key, val, rg, o, i) for i in i_list] for o in o_list]
@@ -781,6 +797,30 @@ class Planner:
             estimate["peak_memory_bytes"] = memory["peak_bytes"]
             estimate["memory"] = memory
         return Plan(self.mesh, nodes, redistributions, params, estimate, outputs=self.outputs)
+
+
+class GradDtypeRedistributor(Redistributor):
+    """:class:`Redistributor` prices for a value whose all-gathers' backward reduce-scatters
+    run in a wider dtype than the gather: a parameter's mixed-precision cast, gathered in
+    ``param_dtype`` and reduce-scattered in ``reduce_dtype``
+    (:func:`~autoparallel.runtime_kernels.param_all_gather`). Every other move is priced as
+    :class:`Redistributor` prices it.
+
+    Args:
+        cost_model: a bound :class:`CostModel`.
+        ratio: bytes of the gradient per byte of the gathered value (2.0 for bf16 gathered,
+            fp32 reduced).
+    """
+
+    def __init__(self, cost_model: CostModel, ratio: float):
+        super().__init__(cost_model)
+        self.ratio = ratio
+
+    def move_cost(self, m, requires_grad: bool) -> float:
+        if m.kind != "all_gather" or not requires_grad:
+            return super().move_cost(m, requires_grad)
+        return (self.cm.collective_time("all_gather", m.axis, m.nbytes)
+                + self.cm.collective_time("reduce_scatter", m.axis, round(m.nbytes * self.ratio)))
 
 
 def aliased_edges(nodes) -> set[tuple[fx.Node, int]]:
