@@ -72,10 +72,10 @@ def reduce_dtype(policy: MixedPrecisionPolicy | None) -> torch.dtype | None:
 
 
 def gathered_cast(x: fx.Node, reduce_in: torch.dtype | None) -> fx.Node | None:
-    """The policy's cast of a trainable parameter (``aten._to_copy`` of its ``get_attr``,
-    :mod:`autoparallel.tracer.casts`) when ``x`` is that cast or a view of it, and its
-    gradient, reduced in ``reduce_in`` (:func:`reduce_dtype`), is not in ``x``'s dtype;
-    else ``None``. An all-gather of such a value is emitted as
+    """The policy's cast of a trainable parameter (``aten._to_copy`` of its ``get_attr`` or of
+    a view of it, :mod:`autoparallel.tracer.casts`) when ``x`` is that cast or a view of it
+    and its gradient, reduced in ``reduce_in`` (:func:`reduce_dtype`), is not in ``x``'s
+    dtype; else ``None``. An all-gather of such a value is emitted as
     :func:`~autoparallel.runtime_kernels.param_all_gather` (its gradient reduce-scattered
     in ``reduce_in``, not in the gathered dtype) and priced so by the planner."""
     val = x.meta.get("val")
@@ -84,8 +84,8 @@ def gathered_cast(x: fx.Node, reduce_in: torch.dtype | None) -> fx.Node | None:
     cast = alias_base(x)
     if cast.op != "call_function" or cast.target is not torch.ops.aten._to_copy.default:
         return None
-    param = cast.args[0]
-    info = param.meta.get("autoparallel") if isinstance(param, fx.Node) and param.op == "get_attr" else None
+    param = alias_base(cast.args[0]) if isinstance(cast.args[0], fx.Node) else None  # through a fused weight's slice
+    info = param.meta.get("autoparallel") if param is not None and param.op == "get_attr" else None
     return cast if info is not None and info.requires_grad else None
 
 

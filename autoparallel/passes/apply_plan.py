@@ -8,9 +8,12 @@ replicated along mesh axes are all-reduced in buckets during the backward
 (:func:`~autoparallel.runtime_kernels.reduce_grads_in_bucket`). Every redistribution of the plan
 becomes a straight line of ops: ``_c10d_functional`` collectives followed by
 ``wait_tensor``, or a local chunk selected by the device's mesh coordinate; one per
-(value, target placement), shared by the value's consumers. The capture device becomes the
-run device, and an op whose local form differs from the captured one (a shape argument, a
-mean over a split dim, ...) is emitted by its record's ``local`` hook
+(value, target placement), shared by the value's consumers; under a mixed-precision policy
+whose reduce dtype is not the gathered one, the all-gathers of a parameter's cast go through
+:func:`~autoparallel.runtime_kernels.param_all_gather` instead, so that the gradient is
+reduce-scattered in the reduce dtype (:meth:`_PerDeviceGraph.gathered_param`). The capture
+device becomes the run device, and an op whose local form differs from the captured one (a
+shape argument, a mean over a split dim, ...) is emitted by its record's ``local`` hook
 (:mod:`autoparallel.strategies.records`).
 
 The emitted graph is meant to be read (``print(pmodel.graph_module.code)``): every value
