@@ -232,7 +232,8 @@ def parameter_use(plan: "Plan", node_name: str) -> str:
         for m in c.moves:
             kinds[m.kind].add(m.axis)
         for kind, axes in sorted(kinds.items()):
-            word = {"all_gather": "all-gathered", "slice": "split", "all_to_all": "re-split (all-to-all)"}.get(kind, kind)
+            word = {"all_gather": "all-gathered", "slice": "split", "all_to_all": "re-split (all-to-all)",
+                    "mask": "kept on one device as a pending sum"}.get(kind, kind)
             uses.add(f"{'slices ' if c.src in slices else ''}{word} over {_axes(plan, axes)}")
     return "; ".join(sorted(uses)) if uses else ("slices as stored" if slices else "as stored")
 
