@@ -72,18 +72,20 @@ def probe_batch(out_features, ranks):
     return {"x": x, "t": t}
 
 
-# the batch split (each rank's gradient a partial sum), the weight stored sharded and gathered
-PROBE_PLAN = {"x": "S0", "t": "S0", "linear": "S0", "linear.weight": "S0 -> R"}
+def probe_plan(stored="S0"):
+    """The batch split (each rank's gradient a partial sum), the weight stored as ``stored``
+    and gathered for use."""
+    return {"x": "S0", "t": "S0", "linear": "S0", "linear.weight": f"{stored} -> R"}
 
 
 def probe_gradient(policy, mesh, out_features):
-    """The weight gradient of :class:`Probe` planned as :data:`PROBE_PLAN` on simulated
+    """The weight gradient of :class:`Probe` planned as :func:`probe_plan` on simulated
     ranks, and the emitted code."""
     torch.manual_seed(0)
     model = Probe(out_features)
     inputs = probe_batch(out_features, mesh.size())
     with LocalTensorMode(frozenset(range(mesh.size()))):
-        pmodel = autoparallel.autoparallelize(model, to_meta(inputs), device_mesh=mesh, constraints=PROBE_PLAN,
+        pmodel = autoparallel.autoparallelize(model, to_meta(inputs), device_mesh=mesh, constraints=probe_plan(),
                                               mp_policy=policy, cache_dir=False)
         pmodel(**inputs).backward()
         grads = _ranks(pmodel.linear.weight.grad.full_tensor())
@@ -159,25 +161,26 @@ def test_gather_backward_priced_in_reduce_dtype_bytes(policy, grad_bytes):
 
 
 # ---------------------------------------------------------------- real processes
-def _gloo_rank(rank, out_features):
+def _gloo_rank(rank):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
-    inputs = probe_batch(out_features, 2)
-    torch.manual_seed(0)
-    pmodel = autoparallel.autoparallelize(Probe(out_features), to_meta(inputs), device_mesh=mesh,
-                                          constraints=PROBE_PLAN, mp_policy=F32_REDUCE, cache_dir=False)
-    assert "param_all_gather(" in pmodel.graph_module.code
-    pmodel(**inputs).backward()
-    exact = inputs["t"].double().T @ inputs["x"].double()  # 1001 everywhere: bf16 holds 1000 or 1002
-    got = pmodel.linear.weight.grad.full_tensor()
-    assert got.dtype == torch.float32 and torch.equal(got.double(), exact), (rank, got)
+    for out_features, stored in [(65, "S0"), (64, "S1")]:  # 65 rows: 33 and 32 (padded); 64 columns: a dim-1 gather
+        inputs = probe_batch(out_features, 2)
+        torch.manual_seed(0)
+        pmodel = autoparallel.autoparallelize(Probe(out_features), to_meta(inputs), device_mesh=mesh,
+                                              constraints=probe_plan(stored), mp_policy=F32_REDUCE, cache_dir=False)
+        assert "param_all_gather(" in pmodel.graph_module.code
+        pmodel(**inputs).backward()
+        exact = inputs["t"].double().T @ inputs["x"].double()  # 1001 everywhere: bf16 holds 1000 or 1002
+        got = pmodel.linear.weight.grad.full_tensor()
+        assert got.dtype == torch.float32 and torch.equal(got.double(), exact), (rank, stored, got)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("out_features", [64, 65])  # 65 rows on 2 processes: 33 and 32
-def test_fp32_reduce_scatter_on_gloo_ranks(out_features):
+def test_fp32_reduce_scatter_on_gloo_ranks():
+    """Two real gloo processes: an uneven dim-0 gather and a dim-1 gather, both exact."""
     from gloo_ranks import spawn
 
-    spawn(_gloo_rank, 2, out_features)
+    spawn(_gloo_rank, 2)
