@@ -113,7 +113,10 @@ class Planner:
         self.mesh = mesh
         self.cm = cost_model.bind(mesh)
         self.layout = Redistributor(self.cm)
-        self._grad_layouts: dict[float, Redistributor] = {}  # gradient bytes per gathered byte -> prices
+        # gradient bytes per gathered byte -> its prices, and value -> its prices (:meth:`_layout_for`);
+        # shared with restricted() copies, so that no path is priced twice
+        self._grad_layouts: dict[float, Redistributor] = {}
+        self._layout_of: dict[tuple[fx.Node, int], Redistributor] = {}
         self.param_names = param_names
         self.nodes = list(strategies)
         self.index = {n: i for i, n in enumerate(self.nodes)}
@@ -261,12 +264,16 @@ class Planner:
         (:func:`~autoparallel.precision.gathered_cast`) a :class:`GradDtypeRedistributor`
         pricing each all-gather's backward in ``reduce_dtype`` bytes, as the runtime runs it
         (:func:`~autoparallel.runtime_kernels.param_all_gather`)."""
-        if precision.gathered_cast(val[0], self.reduce_dtype) is None:
-            return self.layout
-        ratio = self.reduce_dtype.itemsize / node_info(val[0]).outputs[val[1]][1].itemsize
-        if ratio not in self._grad_layouts:  # shared with restricted() copies: paths priced once
-            self._grad_layouts[ratio] = GradDtypeRedistributor(self.cm, ratio)
-        return self._grad_layouts[ratio]
+        layout = self._layout_of.get(val)
+        if layout is None:
+            layout = self.layout
+            if precision.gathered_cast(val[0], self.reduce_dtype) is not None:
+                ratio = self.reduce_dtype.itemsize / node_info(val[0]).outputs[val[1]][1].itemsize
+                if ratio not in self._grad_layouts:
+                    self._grad_layouts[ratio] = GradDtypeRedistributor(self.cm, ratio)
+                layout = self._grad_layouts[ratio]
+            self._layout_of[val] = layout
+        return layout
 
     def _redistribute(self, val: tuple[fx.Node, int], requires_grad: bool, src: Spec, dst: Spec):
         shape, dtype = node_info(val[0]).outputs[val[1]]
