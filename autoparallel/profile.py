@@ -274,11 +274,11 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     forward and backward, over its 64 calls (2.8 µs a forward call and 4.9 µs a backward one
     on the 2-core test VM, torch 2.13; on a GPU, launches behind which no kernel runs
     longer). DTensor op overhead: AdamW's eight update ops on one-element DTensors over a
-    one-device mesh, per op (:func:`_dtensor_op_overhead`). Each rate is the median of 3 samples, each repeating its op for at least 30 ms:
-    longer than a scheduler's time slice, so processes that share cores (4 ranks on 2 cores)
-    measure their share and not a lucky slice alone. Memory: the device's total, or on CPU
-    the host's divided by ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson,
-    CACM 2009.
+    one-device mesh, per op (:func:`_dtensor_op_overhead`). Each rate is the median of 3
+    samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
+    so processes that share cores (4 ranks on 2 cores) measure their share and not a lucky
+    slice alone. Memory: the device's total, or on CPU the host's divided by
+    ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson, CACM 2009.
 
     Args:
         device: a ``torch.device`` or its string.

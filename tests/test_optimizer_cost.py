@@ -164,7 +164,8 @@ def _count_second_step(opt) -> collections.Counter:
     return counted.counts
 
 
-OPTIMIZERS = {"adamw": lambda ps, **kw: torch.optim.AdamW(ps, **kw), "adam": lambda ps, **kw: torch.optim.Adam(ps, **kw),
+OPTIMIZERS = {"adamw": lambda ps, **kw: torch.optim.AdamW(ps, **kw),
+              "adam": lambda ps, **kw: torch.optim.Adam(ps, **kw),
               "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, **kw),
               "sgd_momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **kw)}
 

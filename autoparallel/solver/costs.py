@@ -215,7 +215,8 @@ PROFILE_TOLERANCE = 0.25
 """Largest relative deviation ``|line(B) − t(B)| / t(B)`` over the measured sizes for which a
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
-PROFILE_FORMAT = 3  # 2: DevicePreset.op_overhead; 3: dtensor_op_overhead. Version of the CommProfile JSON layout; part of the profile key
+# Version of the CommProfile JSON layout; part of the profile key.
+PROFILE_FORMAT = 3  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
