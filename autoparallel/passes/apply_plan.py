@@ -380,9 +380,9 @@ class _PerDeviceGraph:
         backward reduce-scatters in the policy's reduce dtype, the other moves as
         :meth:`_Emitter.move` emits them. When ``x`` is the cast and only slices come before
         the first all-gather, the kernel takes the parameter's own (fp32) shard, as the cast
-        reads it, and casts it itself, so that the reduced fp32 gradient reaches the parameter unrounded (the cast
-        then has no use left and is dropped); else it takes ``x`` as it is and autograd rounds
-        the reduced gradient to ``x``'s dtype once."""
+        reads it, and casts it itself, so that the reduced fp32 gradient reaches the parameter
+        unrounded (the cast then has no use left and is dropped); else it takes ``x`` as it is
+        and autograd rounds the reduced gradient to ``x``'s dtype once."""
         first = next(i for i, m in enumerate(moves) if m.kind == "all_gather")
         cp = self.plan.nodes[cast.name]
         own = x is cast and cp.input_specs[0] == cp.output_specs[0] and all(m.kind == "slice" for m in moves[:first])

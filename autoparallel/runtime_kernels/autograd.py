@@ -92,7 +92,7 @@ class _ParamAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, steps, dtype, reduce_dtype):
         ctx.steps, ctx.reduce_dtype, ctx.shard_dtype = steps, reduce_dtype, shard.dtype
-        x = shard.to(dtype) if dtype is not None else shard
+        x = per_rank(shard.to(dtype) if dtype is not None else shard)
         ctx.lengths = []
         for group, n, d, rows, total in steps:
             ctx.lengths.append(x.size(d))
