@@ -99,6 +99,8 @@ def test_printed_placements_pin_back_the_same_plan():
     for spec in specs:
         assert parse_spec(format_spec(spec, names), names) == spec
         assert format_spec(spec, names) in p.table(all_nodes=True)
+    cut = next(n for n in p.nodes.values() if any(isinstance(x, UnitShard) for x in n.output_specs[0]))
+    assert format_spec(cut.output_specs[0], names) in p.explain(cut.name)  # explain prints it as well
 
     pins = {names_[0]: format_spec(p.param_placements[names_[0]], names) for names_ in p.state_nodes.values()}
     again = autoparallel.plan(_gpt2_25_heads(), meta, constraints=pins, **kw)
