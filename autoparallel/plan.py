@@ -341,7 +341,9 @@ class Plan:
         hdr = ["node", "op", "module", "input specs → output spec", "compute s", "comm s", "memory B"]
         est = self.estimate
         foot = (f"mesh {self.mesh.shape}: estimated step {est.get('step_time_s', 0):.4g} s "
-                f"(compute {est.get('compute_s', 0):.4g} s, communication {est.get('comm_s', 0):.4g} s), "
+                f"(compute {est.get('compute_s', 0):.4g} s"
+                + (f" with the optimizer step {est['optimizer_s']:.4g} s" if est.get("optimizer_s") else "")
+                + f", communication {est.get('comm_s', 0):.4g} s), "
                 f"peak memory {est.get('peak_memory_bytes', 0) / 2**20:.1f} MiB per device; "
                 f"{len(self.collectives)} forward collectives"
                 + (f"; priced by {est['costs']}" if est.get("costs") else "")
