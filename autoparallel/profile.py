@@ -1,8 +1,10 @@
 """Measuring the mesh a module runs on: collective times per mesh axis, the device's rates.
 
 :func:`profile_mesh` (every rank calls it) times all-reduce, all-gather, reduce-scatter and
-all-to-all over the process group of each mesh axis for message sizes doubling from
-``min_bytes`` up to a bound set by free memory, ``max_bytes`` and a time budget; each point
+all-to-all over the process group of each mesh axis (and, on a mesh of two or more axes of
+more than one device, an all-reduce over the world's group: what a gradient bucket spanning
+the world runs) for message sizes doubling from ``min_bytes`` up to a bound set by free
+memory, ``max_bytes`` and a time budget; each point
 is the median over repetitions of the slowest rank. Per axis and collective it fits Hockney's
 line and keeps the table (:class:`~autoparallel.solver.costs.CollectiveTable`); with the
 device's achieved matmul FLOP/s and memory bandwidth (:func:`calibrate_device`) this is a
@@ -88,8 +90,14 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calib
     max_bytes = _size_bound(device, max_bytes, min_bytes, _ranks_on_host(identity))
     shape = tuple(device_mesh.mesh.shape)
     pairs = [(a, k) for a in range(len(shape)) if shape[a] > 1 for k in COLLECTIVES]
-    tables = {(a, k): _measure(k, device_mesh.get_group(a), shape[a], device, time_budget / len(pairs),
-                               min_bytes, max_bytes, repeats) for a, k in pairs}
+    if len({a for a, _ in pairs}) > 1:  # gradient buckets spanning the world: one all-reduce over it
+        pairs.append((None, "all_reduce"))
+
+    def group(a):
+        return dist.group.WORLD if a is None else device_mesh.get_group(a)
+
+    tables = {(a, k): _measure(k, group(a), dist.get_world_size() if a is None else shape[a], device,
+                               time_budget / len(pairs), min_bytes, max_bytes, repeats) for a, k in pairs}
     names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(shape)))
     seconds = _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, device)[0]
     profile = CommProfile(identity, names, tables, rates, round(seconds, 3))

@@ -184,3 +184,31 @@ def test_cpu_default_is_the_per_tensor_loop(dtensor_params):
     """torch.optim's default on CPU DTensors runs the per-tensor loop's ops."""
     assert _count_second_step(torch.optim.AdamW(dtensor_params)) == \
         _count_second_step(torch.optim.AdamW(dtensor_params, foreach=False))
+
+
+def test_profiled_world_all_reduce_prices_the_world_bucket():
+    """A profile's table over the world (profile_mesh measures it on meshes of two or more
+    axes) prices the world-spanning bucket instead of the slowest-link estimate; it round-trips
+    JSON, prints as a 'world' row, and a table without its axis is refused."""
+    import json
+
+    from autoparallel.solver.costs import CollectiveTable, CommProfile, IDENTITY_FIELDS
+
+    identity = dict.fromkeys(IDENTITY_FIELDS, "x") | {"world_size": 4, "mesh_shape": [2, 2], "hosts": ["h"] * 4}
+    sizes = (4096, 1 << 20)
+    line = CollectiveTable.fit(sizes, [1e-5 + 1e-9 * b for b in sizes])
+    world = CollectiveTable.fit(sizes, [5e-5 + 8e-9 * b for b in sizes])
+    tables = {(a, k): line for a in range(2) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    profile = CommProfile(identity, ("dp", "tp"), tables | {(None, "all_reduce"): world}, TRAFFIC_ONLY)
+    assert CommProfile.from_json(profile.to_json()) == profile
+    assert "world" in profile.table()
+    cm = CostModel.from_profile(profile).bind(MeshSpec((2, 2)))
+    assert cm.collective_time("all_reduce", None, 1 << 20) == pytest.approx(world.time(1 << 20))
+    assert cm.grad_reduction_time(None, 1 << 20) == pytest.approx(world.beta * (1 << 20))
+    d = json.loads(profile.to_json())
+    del d["tables"][-1]["axis"]
+    with pytest.raises(ValueError, match="without its axis"):
+        CommProfile.from_json(json.dumps(d))
+    with pytest.raises(ValueError, match="over mesh axis None"):  # only where buckets can span the world
+        CommProfile(identity | {"world_size": 2, "mesh_shape": [2, 1]}, ("dp", "tp"),
+                    {(None, "all_reduce"): world}, TRAFFIC_ONLY)

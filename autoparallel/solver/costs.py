@@ -374,7 +374,10 @@ class CommProfile:
         identity: what it was measured on (:data:`IDENTITY_FIELDS`).
         axis_names: the mesh's axis names.
         tables: ``(mesh axis, collective)`` → :class:`CollectiveTable`, for every axis of
-            more than one device and every collective in :data:`COLLECTIVES`.
+            more than one device and every collective in :data:`COLLECTIVES`; on a mesh with
+            two or more such axes also ``(None, "all_reduce")``: the all-reduce over every
+            device at once (the world's group), which prices a gradient bucket spanning the
+            world (:meth:`CostModel.collective_time` with ``axis=None``).
         device: achieved matmul FLOP/s per dtype and memory bandwidth, as a :class:`DevicePreset`.
         profile_s: seconds the measurement took.
 
@@ -397,8 +400,10 @@ class CommProfile:
                 and all(isinstance(n, str) for n in self.axis_names)):
             raise ValueError(f"profile: axis names {self.axis_names!r} are not one string per axis of the mesh {shape}")
         object.__setattr__(self, "axis_names", tuple(self.axis_names))
+        spanning = sum(n > 1 for n in shape) > 1
         for (axis, kind), t in self.tables.items():
-            if kind not in COLLECTIVES or not (_is_int(axis) and 0 <= axis < len(shape)):
+            world = axis is None and kind == "all_reduce" and spanning
+            if kind not in COLLECTIVES or not (world or (_is_int(axis) and 0 <= axis < len(shape))):
                 raise ValueError(f"profile: a table for {kind!r} over mesh axis {axis!r} of a mesh {shape}")
             if not isinstance(t, CollectiveTable):
                 raise ValueError(f"profile: the table of {kind} over axis {axis} is not a CollectiveTable: {t!r}")
@@ -436,8 +441,14 @@ class CommProfile:
                 f"compute: matmul {dev.flops_fp32 / 1e9:.4g} GFLOP/s fp32, {dev.flops_half / 1e9:.4g} GFLOP/s "
                 f"16-bit; memory {dev.mem_bw / 1e9:.4g} GB/s")
         rows = []
-        for (axis, kind), t in sorted(self.tables.items(), key=lambda kv: (kv[0][0], COLLECTIVES.index(kv[0][1]))):
-            rows.append([f"{axis} ({self.axis_names[axis]})", self.mesh_shape[axis], kind, f"{t.alpha * 1e6:.3g}",
+        def order(item):  # by axis, the world's table last, then in COLLECTIVES order
+            (axis, kind), _ = item
+            return (len(self.mesh_shape) if axis is None else axis, COLLECTIVES.index(kind))
+
+        for (axis, kind), t in sorted(self.tables.items(), key=order):
+            where, n = (("world", math.prod(self.mesh_shape)) if axis is None
+                        else (f"{axis} ({self.axis_names[axis]})", self.mesh_shape[axis]))
+            rows.append([where, n, kind, f"{t.alpha * 1e6:.3g}",
                          f"{1 / t.beta / 1e9:.3g}" if t.beta else "inf", f"{100 * t.deviation:.0f}%",
                          "table" if t.interpolate else "line", f"{_kib(t.sizes[0])} .. {_kib(t.sizes[-1])}"])
         hdr = ["axis", "devices", "collective", "alpha µs", "1/beta GB/s", "max dev", "lookup", "sizes"]
@@ -476,7 +487,9 @@ class CommProfile:
         tables = {}
         for t in d["tables"]:
             t = dict(t)
-            where = (t.pop("axis", None), t.pop("kind", None))
+            if "axis" not in t or "kind" not in t:
+                raise ValueError(f"mesh profile: a table without its axis and kind: {t!r}")
+            where = (t.pop("axis"), t.pop("kind"))
             tables[where] = CollectiveTable.from_json(t)
         profile = cls(d["identity"], d["axis_names"], tables, DevicePreset.from_json(d["device"]), d["profile_s"])
         if profile.key != d["key"]:
@@ -630,8 +643,8 @@ class CostModel:
         the ring formulas with ``n`` the world size and ``α``, ``β`` the largest of the
         per-link values of the mesh's axes of more than one device (:meth:`_link`): a ring
         through every device crosses the links of every axis and runs at the pace of its
-        slowest. A profile measures collectives per axis, not over the world, so with one
-        this is an estimate from its per-axis lines.
+        slowest. A profile's table over the world (``(None, kind)``, measured by
+        :func:`autoparallel.profile_mesh` for the all-reduce) prices it instead where it has one.
 
         Raises:
             ValueError: for an unknown collective kind.
@@ -639,7 +652,7 @@ class CostModel:
         if axis is None:
             n = math.prod(self.mesh.shape)
             links = [self._link(a) for a, m in enumerate(self.mesh.shape) if m > 1]
-            table = None
+            table = self.profile.tables.get((None, kind)) if self.profile is not None else None
         else:
             n = self.mesh.shape[axis]
             links = [(self.mesh.alpha[axis], self.mesh.beta[axis])]
@@ -669,16 +682,17 @@ class CostModel:
         """Seconds a parameter's gradient of ``nbytes`` adds to the bucketed all-reduce over
         ``axis``: the bandwidth term only (with a profile, the slope of its all-reduce line);
         the bucket's latency is paid once per axis. ``axis=None``: over the whole mesh as one
-        group (:meth:`collective_time`). The planner counts the part that the runtime overlaps
-        with the backward as exposed time only (:func:`exposed_comm_time`)."""
-        if axis is None:
-            return self.collective_time("all_reduce", None, nbytes) - self.collective_time("all_reduce", None, 0)
-        n = self.mesh.shape[axis]
+        group (a profile's world table, else :meth:`collective_time`'s estimate). The planner
+        counts the part that the runtime overlaps with the backward as exposed time only
+        (:func:`exposed_comm_time`)."""
+        n = math.prod(self.mesh.shape) if axis is None else self.mesh.shape[axis]
         if n == 1:
             return 0.0
         table = self.profile.tables.get((axis, "all_reduce")) if self.profile is not None else None
         if table is not None:
             return table.beta * nbytes
+        if axis is None:
+            return self.collective_time("all_reduce", None, nbytes) - self.collective_time("all_reduce", None, 0)
         return 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
 
     # ------------------------------------------------------------ optimizer
