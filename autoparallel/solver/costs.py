@@ -216,7 +216,7 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 3  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead
+PROFILE_FORMAT = 4  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
