@@ -24,8 +24,9 @@ Formulas:
   factor is inside the fitted ``β``; where the measured table departs from the line by more
   than :data:`PROFILE_TOLERANCE` (relative), lookups interpolate the table instead.
 * a gradient bucket replicated along axes that together span the world is all-reduced once
-  over the world's ranks (:meth:`CostModel.collective_time` with ``axis=None``): the ring
-  formula with the world's size and the slowest link of those axes.
+  over the world's ranks (:meth:`CostModel.collective_time` with ``axis=None``): a profile's
+  table measured over the world, else the ring formula with the world's size and the slowest
+  link of those axes.
 * the optimizer step (:meth:`CostModel.optimizer_step_time`): per parameter, the update's
   memory traffic over its local shard plus a per-op overhead (DTensor's dispatch) times the
   ops ``torch.optim``'s implementation runs, counted in its source.
