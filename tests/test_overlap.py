@@ -143,9 +143,10 @@ def test_bucket_buffer_is_reused_only_when_nobody_holds_it(tmp_path):
 def test_input_collectives_are_issued_first_and_returned_sums_fused():
     """A collective computed from the inputs alone (a loss's label count) is issued right after
     the inputs, one reading a parameter stays; a pending sum returned whole becomes
-    reduced_output (no all-reduce in its backward)."""
+    deferred_reduced_output (waited late, no all-reduce in its backward)."""
     from autoparallel.passes.overlap import overlap_collectives
-    from autoparallel.runtime_kernels import reduced_output, returned
+    from autoparallel.runtime_kernels import returned
+    from autoparallel.runtime_kernels.grad_reduction import deferred_reduced_output
 
     g = torch.fx.Graph()
     x, labels = g.placeholder("x"), g.placeholder("labels")
@@ -164,7 +165,7 @@ def test_input_collectives_are_issued_first_and_returned_sums_fused():
     nodes = list(g.nodes)
     reduces = [n for n in nodes if n.target is _c10d.all_reduce.default]
     assert len(reduces) == 2 and nodes.index(reduces[0]) < nodes.index(y) < nodes.index(reduces[1]) and reduces[1] is kept
-    assert [n.target for n in nodes if n.op == "call_function"][-1] is reduced_output
+    assert [n.target for n in nodes if n.op == "call_function"][-1] is deferred_reduced_output
 
 
 @pytest.mark.slow

@@ -10,15 +10,23 @@ after ``wait_tensor``. :func:`apply_plan` emits each wait right after its collec
   al., SC 2020, §5) one gather ahead: the gather of the next parameter is issued right
   after the previous gathered parameter becomes available, so it runs beside the compute
   that uses the previous one (FSDP's forward prefetch, Zhao et al., VLDB 2023, §3.3.1);
+* merges all-reduces (sum) of one value over several mesh axes in a row into one
+  :func:`~autoparallel.runtime_kernels.grad_reduction.sum_over_axes` (one all-reduce over the
+  world when the axes span it, no wait between);
 * issues each collective computed from the inputs alone (no parameter: a loss's count of
   labels that are not ignored) right after the graph's inputs, so the whole forward runs
   while it is in flight and its wait no longer holds the ranks together late in the forward;
-* fuses a pending sum returned whole (``all_reduce`` → ``wait_tensor`` → ``returned``) into
-  :func:`~autoparallel.runtime_kernels.reduced_output`, whose backward needs no all-reduce.
+* fuses a pending sum returned whole (``all_reduce`` or ``sum_over_axes`` → ``wait_tensor`` →
+  ``returned``) into
+  :func:`~autoparallel.runtime_kernels.grad_reduction.deferred_reduced_output`: one
+  all-reduce (over the world's group when the axes span it), waited when the value is read or
+  the backward ends instead of in the forward, and no all-reduce in its backward.
 
-Only the order of the graph changes (and the returned sum's backward): every rank still
-issues the same forward collectives in the same order, and the values are the same. It runs on the top-level graph after
-checkpointing, so checkpoint regions (sub-modules) keep their own order.
+Besides the order of the graph, only the grouping of sums changes (the same sum, one collective
+instead of one per axis) and where a returned sum is waited: every rank still issues the same
+forward collectives in the same order, and the values are the same up to the summation order.
+It runs on the top-level graph after checkpointing, so checkpoint regions (sub-modules) keep
+their own order.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..runtime_kernels import reduced_output, returned
+from ..runtime_kernels import returned
+from ..runtime_kernels.grad_reduction import deferred_reduced_output, sum_over_axes
 
 _c10d = torch.ops._c10d_functional
 _WAIT = _c10d.wait_tensor.default
 _COLLECTIVES = {_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
-                _c10d.all_to_all_single.default}
+                _c10d.all_to_all_single.default, sum_over_axes}
 
 
 def data_dependent(graph: fx.Graph) -> set[fx.Node]:
@@ -131,38 +140,82 @@ def _movable(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
+def _sum(node) -> tuple[fx.Node, tuple[str, ...]] | None:
+    """``(x, groups)`` when ``node`` all-reduces ``x`` (sum) over ``groups`` (an ``all_reduce``
+    over one mesh axis' group or a :func:`sum_over_axes`), else ``None``."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is _c10d.all_reduce.default and node.args[1] == "sum":
+        return node.args[0], (node.args[2],)
+    if node.target is sum_over_axes:
+        return node.args[0], tuple(node.args[1])
+    return None
+
+
+def _waited_sum(w) -> tuple[fx.Node, fx.Node, tuple[str, ...]] | None:
+    """``(collective, x, groups)`` when ``w`` is ``wait_tensor`` of a sum of ``x`` over
+    ``groups`` (:func:`_sum`), each read by the next alone, else ``None``."""
+    if not (isinstance(w, fx.Node) and w.target is _WAIT and len(w.users) == 1 and len(w.args[0].users) == 1):
+        return None
+    found = _sum(w.args[0])
+    return (w.args[0], *found) if found else None
+
+
+def merge_sum_chains(graph: fx.Graph) -> int:
+    """Replace each all-reduce (sum) over one mesh axis of a value all-reduced over other axes
+    just before, ``all_reduce(wait_tensor(all_reduce(x, "sum", g1)), "sum", g2)`` (the wait and
+    first collective read by nothing else), by ``sum_over_axes(x, (g1, g2))``: one collective
+    over the world when the axes span it, with no wait between. Returns how many merged."""
+    merged = 0
+    for c in [n for n in graph.nodes if _sum(n) is not None]:
+        w, groups = _sum(c)
+        inner = _waited_sum(w)
+        if inner is None:
+            continue
+        first, x, before = inner
+        with graph.inserting_before(c):
+            new = graph.call_function(sum_over_axes, (x, before + groups))
+        new.meta = {k: v for k, v in c.meta.items() if k != "comment"}
+        comment = first.meta.get("comment") or c.meta.get("comment")
+        if comment:
+            new.meta["comment"] = comment
+        c.replace_all_uses_with(new)
+        for n in (c, w, first):
+            graph.erase_node(n)
+        merged += 1
+    return merged
+
+
 def fuse_returned_sums(graph: fx.Graph) -> int:
-    """Replace each ``returned(wait_tensor(all_reduce(x, "sum", g)), copies)`` whose
-    collective and wait have no other reader by ``reduced_output(x, g, copies)``. Returns
-    how many were replaced."""
+    """Replace each ``returned(wait_tensor(all_reduce(x, "sum", g)), copies)`` (or of a
+    :func:`sum_over_axes` of ``x`` over ``groups``) whose collective and wait have no other
+    reader by ``deferred_reduced_output(x, groups, copies)``. Returns how many were replaced."""
     fused = 0
     for r in [n for n in graph.nodes if n.op == "call_function" and n.target is returned]:
-        w = r.args[0]
-        if not (isinstance(w, fx.Node) and w.target is _WAIT and len(w.users) == 1):
+        found = _waited_sum(r.args[0])
+        if found is None:
             continue
-        ar = w.args[0]
-        if not (isinstance(ar, fx.Node) and ar.target is _c10d.all_reduce.default and len(ar.users) == 1
-                and ar.args[1] == "sum"):
-            continue
-        x, group = ar.args[0], ar.args[2]
+        c, x, groups = found
         with graph.inserting_before(r):
-            new = graph.call_function(reduced_output, (x, group, r.args[1]))
-        new.meta = dict(w.meta)
-        if ar.meta.get("comment"):
-            new.meta["comment"] = ar.meta["comment"]
+            new = graph.call_function(deferred_reduced_output, (x, groups, r.args[1]))
+        new.meta = dict(r.args[0].meta)
+        if c.meta.get("comment"):
+            new.meta["comment"] = c.meta["comment"]
+        w = r.args[0]
         r.replace_all_uses_with(new)
-        for n in (r, w, ar):
+        for n in (r, w, c):
             graph.erase_node(n)
         fused += 1
     return fused
 
 
 def overlap_collectives(graph: fx.Graph) -> dict[str, int]:
-    """Apply :func:`fuse_returned_sums`, :func:`hoist_input_collectives`, :func:`sink_waits`
-    then :func:`prefetch_param_gathers` to ``graph`` (in this order: a gather is issued after
+    """Apply :func:`merge_sum_chains`, :func:`fuse_returned_sums`, :func:`hoist_input_collectives`,
+    :func:`sink_waits` then :func:`prefetch_param_gathers` to ``graph`` (in this order: a gather is issued after
     the previous gathered parameter's wait has moved to its first reader, so at most one
     gather is ahead of the compute); the caller recompiles. Returns the counts of moved nodes."""
-    stats = {"fused_returned_sums": fuse_returned_sums(graph), "hoisted": hoist_input_collectives(graph),
+    stats = {"merged_sums": merge_sum_chains(graph), "fused_returned_sums": fuse_returned_sums(graph),
+             "hoisted": hoist_input_collectives(graph),
              "sunk_waits": sink_waits(graph), "prefetched_gathers": prefetch_param_gathers(graph)}
     graph.lint()
     return stats
