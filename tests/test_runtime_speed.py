@@ -8,6 +8,8 @@
   collective, issued before the forward's compute.
 """
 
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,6 +100,14 @@ def test_deferred_sum_reads_the_reduced_value_and_scales_the_seed(gloo_world_1):
     doubled = loss * 2  # any op reads the reduced value and gives a plain tensor
     assert type(doubled) is torch.Tensor and torch.allclose(doubled, 2 * (w * w).sum())
     assert float(loss) == pytest.approx(float((w * w).sum()))
+    want = float((w * w).sum())  # what a training loop prints, logs or saves: the plain value
+    assert f"{loss:.4f}" == f"{want:.4f}" and loss.tolist() == pytest.approx(want)
+    assert repr(loss).startswith("tensor(")
+    buffer = io.BytesIO()
+    torch.save({"loss": loss}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)["loss"]
+    assert type(saved) is torch.Tensor and float(saved) == pytest.approx(want)
     loss.backward()
     assert torch.allclose(w.grad, 2 * w.detach() / 2)  # seed · world (1) / copies (2)
 

@@ -181,7 +181,9 @@ class PendingSum(torch.Tensor):
     it waits for the all-reduce first and runs on the plain result (which it returns), so
     every value read is the reduced one; only ``ones_like``, ``zeros_like`` and
     ``empty_like``, which read no value (the seed ``loss.backward()`` makes), run without
-    waiting. Shape, dtype, device, ``requires_grad`` and ``grad_fn`` are those of the sum.
+    waiting. Shape, dtype, device, ``requires_grad`` and ``grad_fn`` are those of the sum;
+    printing, formatting (``f"{loss:.4f}"``), ``tolist()`` and pickling (``torch.save``) see the
+    reduced value as a plain tensor.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # results are plain tensors
@@ -199,6 +201,16 @@ class PendingSum(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         return repr(self.wait())
+
+    # Tensor's own versions of these serve plain tensors only (or refuse subclasses)
+    def __format__(self, format_spec: str) -> str:
+        return self.wait().__format__(format_spec)
+
+    def tolist(self):
+        return self.wait().tolist()
+
+    def __reduce_ex__(self, protocol):
+        return self.wait().__reduce_ex__(protocol)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
