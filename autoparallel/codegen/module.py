@@ -151,8 +151,10 @@ class ParallelModule(NotPicklable, nn.Module):
     shards it like the module's parameters (rank 0's values). Inputs are the global batch,
     the same on every rank (checked, see ``check_batch_every``); outputs come in the model's
     output structure (e.g. a Hugging Face ``ModelOutput``): plain whole tensors where the
-    plan returns them replicated (a loss; every output under ``outputs="replicated"``),
-    DTensors in the plan's placements where it returns them sharded (``.full_tensor()``
+    plan returns them replicated (a loss; every output under ``outputs="replicated"``; a
+    loss summed over devices that needs grad is a
+    :class:`~autoparallel.runtime_kernels.grad_reduction.PendingSum`, whose all-reduce is
+    waited when it is read or the backward ends), DTensors in the plan's placements where it returns them sharded (``.full_tensor()``
     gives the whole value). Buffers the forward updates in place (BatchNorm's running statistics)
     are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
     the buffers' local tensors after every forward.
