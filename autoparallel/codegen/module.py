@@ -154,9 +154,9 @@ class ParallelModule(NotPicklable, nn.Module):
     plan returns them replicated (a loss; every output under ``outputs="replicated"``; a
     loss summed over devices that needs grad is a
     :class:`~autoparallel.runtime_kernels.grad_reduction.PendingSum`, whose all-reduce is
-    waited when it is read or the backward ends), DTensors in the plan's placements where it returns them sharded (``.full_tensor()``
-    gives the whole value). Buffers the forward updates in place (BatchNorm's running statistics)
-    are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
+    waited when it is read or the backward ends), DTensors in the plan's placements where it
+    returns them sharded (``.full_tensor()`` gives the whole value). Buffers the forward
+    updates in place (BatchNorm's running statistics) are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
     the buffers' local tensors after every forward.
 
     One graph per mode and input signature. ``train()`` / ``eval()`` behave as on the model:
