@@ -156,8 +156,9 @@ class ParallelModule(NotPicklable, nn.Module):
     :class:`~autoparallel.runtime_kernels.grad_reduction.PendingSum`, whose all-reduce is
     waited when it is read or the backward ends), DTensors in the plan's placements where it
     returns them sharded (``.full_tensor()`` gives the whole value). Buffers the forward
-    updates in place (BatchNorm's running statistics) are graph outputs (``buffer_mutations``: flat output index → buffer name), copied into
-    the buffers' local tensors after every forward.
+    updates in place (BatchNorm's running statistics) are graph outputs
+    (``buffer_mutations``: flat output index → buffer name), copied into the buffers' local
+    tensors after every forward.
 
     One graph per mode and input signature. ``train()`` / ``eval()`` behave as on the model:
     the first call in a mode the module has no graph for captures the model again in that
