@@ -613,7 +613,12 @@ def main(argv=None) -> int:
                     json.dump(res, f, indent=1)
             else:
                 print(table(res), flush=True)
-        return 0
+        # Past the process group's teardown, skip interpreter finalization: gloo's worker threads
+        # can abort it ("terminate called without an active exception", pytorch#179291), which
+        # torchrun would report as a failed job after every result was written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return drive(args)
 
 
