@@ -35,7 +35,7 @@ from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
 from .pickling import ParallelGraph
-from .placement import R, Shard, Spec, spec_str, spec_to_json
+from .placement import R, Shard, Spec, replicated, spec_str, spec_to_json
 from .plan import Plan
 from .profile import profile_mesh
 from .solver import CostModel
@@ -661,7 +661,8 @@ class _Recapture:
             self.captures += 1
             held = list(pmodel.named_parameters(remove_duplicate=False)) + \
                 list(pmodel.named_buffers(remove_duplicate=False))
-            pinned = {name: tuple(t.placements) for name, t in held if isinstance(t, DTensor)}
+            pinned = {name: tuple(t.placements) if isinstance(t, DTensor) else replicated(self.device_mesh.ndim)
+                      for name, t in held}
             p = _plan_on_rank0(traced, self.mesh, self.options, pinned=pinned)
         variant = _add_variant(pmodel, traced, p, self.device_mesh)
         log.info("planned %s mode for inputs %s (%.2f s; %d graphs cached)",

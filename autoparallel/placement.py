@@ -106,6 +106,11 @@ def replicated(ndim_mesh: int) -> Spec:
     return (R,) * ndim_mesh
 
 
+def is_replicated(spec: Spec) -> bool:
+    """Whether ``spec`` replicates the tensor on every mesh axis (a whole copy per device)."""
+    return all(p == R for p in spec)
+
+
 def shard_axes(spec: Spec, dim: int) -> tuple[int, ...]:
     """Mesh axes (ascending) that split tensor dim ``dim``."""
     return tuple(a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim)

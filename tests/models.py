@@ -14,6 +14,31 @@ class ShardParams(autoparallel.CostModel):
         return 1e-3
 
 
+def without_dtensor_overhead(preset: str) -> autoparallel.DevicePreset:
+    """Preset ``preset`` with DTensor's per-op dispatch left out of the optimizer step: on the
+    tests' toy models that overhead (paid for every parameter once any is sharded) outweighs
+    every saving of sharding, so tests of what sharding choices the planner makes use this."""
+    import dataclasses
+
+    from autoparallel.solver.costs import PRESETS
+
+    return dataclasses.replace(PRESETS[preset], dtensor_op_overhead=0.0)
+
+
+def whole(t):
+    """The whole value of a parallel module's parameter or gradient: a DTensor's
+    ``full_tensor()``, or the tensor itself where the module holds plain tensors (a plan that
+    replicates every parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def placements_of(t) -> tuple:
+    """A parameter's or gradient's placements; ``()`` for a plain tensor."""
+    return tuple(getattr(t, "placements", ()))
+
+
 class MLP(torch.nn.Module):
     def __init__(self, hidden=256, layers=4, bias=True):
         super().__init__()

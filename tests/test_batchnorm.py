@@ -9,11 +9,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autoparallel
+from autoparallel.runtime_kernels.grad_reduction import sum_over_axes
 from autoparallel.tracer import ColoTracer
-from models import build_model
+from models import build_model, placements_of
 from test_parity import assert_close
 
 aten = torch.ops.aten
@@ -57,7 +58,9 @@ def image_batches(n, batch=16, size=8, seed=0):
 
 
 def full(t):
-    """The whole value of a DTensor (no collective when it is replicated)."""
+    """The whole value of a DTensor (no collective when it is replicated) or of a plain tensor."""
+    if not isinstance(t, DTensor):
+        return t
     return t.to_local() if all(isinstance(p, Replicate) for p in t.placements) else t.full_tensor()
 
 
@@ -90,7 +93,7 @@ def train_parity(ref, batches, mesh_shape, sim_mesh, parallelism="auto"):
             got.backward()
             assert_close(f"step {step} loss", got.detach(), want.detach())
             for name, p in pmodel.named_parameters():
-                assert_close(f"step {step} grad of {name} {p.placements}", full(p.grad), ref_params[name].grad)
+                assert_close(f"step {step} grad of {name} {placements_of(p)}", full(p.grad), ref_params[name].grad)
             for name, b in pmodel.named_buffers():
                 assert_close(f"step {step} buffer {name}", full(b), ref_buffers[name])
             if step < len(batches) - 1:
@@ -113,11 +116,12 @@ def test_batchnorm2d_train_parity(mesh_shape, sim_mesh):
     for module in ("bn", "bn2"):
         axes = batch_split_axes(pmodel.plan, module)
         assert axes, f"the plan should split {module}'s batch:\n{pmodel.plan}"
-        # one all-reduce per statistic (mean, variance) and split axis, shared by the
-        # normalization and the running update
-        reduces = [n for n in pmodel.graph_module.graph.nodes if n.target == c10d.all_reduce.default
+        # per statistic (mean, variance), one all-reduce per split axis or one over them all
+        # (sum_over_axes), shared by the normalization and the running update
+        reduced = [len(n.args[1]) if n.target is sum_over_axes else 1 for n in pmodel.graph_module.graph.nodes
+                   if n.target in (c10d.all_reduce.default, sum_over_axes)
                    and n.meta.get("source") and pmodel.plan.nodes[n.meta["source"]].module_path == module]
-        assert len(reduces) == 2 * len(axes), pmodel.graph_module.code
+        assert sum(reduced) == 2 * len(axes) and len(reduced) in (2, 2 * len(axes)), pmodel.graph_module.code
     assert int(full(pmodel.bn.num_batches_tracked)) == 3
 
 

@@ -16,6 +16,7 @@ import autoparallel
 from autoparallel.api import emit
 from autoparallel.runtime_kernels import random as rk
 from autoparallel.tracer import ColoTracer
+from models import whole
 
 F = torch.nn.functional
 MESHES = [(2,), (2, 2)]
@@ -183,7 +184,7 @@ def test_backward_goes_through_the_same_mask(mesh_shape, sim_mesh):
         torch.manual_seed(1)
         y = pmodel(x)
         (y * c).sum().backward()
-        grad = one(pmodel.s.grad.full_tensor())
+        grad = one(whole(pmodel.s.grad))
     keep = one(y) != 0
     assert 0.4 < keep.float().mean().item() < 0.6
     assert torch.equal(grad == 0, ~keep)  # zero exactly where the mask dropped
@@ -230,7 +231,7 @@ def test_checkpoint_recompute_draws_the_forward_masks(mesh_shape, sim_mesh):
             torch.manual_seed(seed)
             loss = m(x, y)
             loss.backward()
-            results.append((one(loss.detach()), {n: one(p.grad.full_tensor()).clone() for n, p in m.named_parameters()}))
+            results.append((one(loss.detach()), {n: one(whole(p.grad)).clone() for n, p in m.named_parameters()}))
             m.zero_grad(set_to_none=True)
     (l_ck, g_ck), (l_plain, g_plain), (_, g_other) = results
     assert torch.equal(l_ck, l_plain)
@@ -257,7 +258,7 @@ def test_parity_with_one_device_at_p0(mesh_shape, sim_mesh):
         torch.testing.assert_close(one(loss.detach()), want.detach(), rtol=1e-4, atol=1e-5)
         ref_params = dict(ref.named_parameters())
         for name, p in pmodel.named_parameters():
-            torch.testing.assert_close(one(p.grad.full_tensor()), ref_params[name].grad, rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(one(whole(p.grad)), ref_params[name].grad, rtol=1e-4, atol=1e-5,
                                        msg=name)
 
 

@@ -12,7 +12,7 @@ from autoparallel.errors import InfeasiblePlanError
 from autoparallel.solver.memory import OPTIMIZER_STATES, MemoryModel, parse_bytes
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.tracer import ColoTracer
-from models import CNN, MLP, batch_for, hf_model, to_meta
+from models import CNN, MLP, batch_for, hf_model, to_meta, whole
 
 
 def _measured_peak(model, batch) -> int:
@@ -136,7 +136,7 @@ def test_checkpointing_parity_and_measured_peak(sim_mesh):
         for r, v in enumerate(loss._local_tensors.values()):
             torch.testing.assert_close(v, ref(**batch).loss.detach(), rtol=1e-4, atol=1e-5)
         for name, p in pmodel.named_parameters():
-            for v in p.grad.full_tensor()._local_tensors.values():
+            for v in whole(p.grad)._local_tensors.values():
                 torch.testing.assert_close(v, ref_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
         for p in pmodel.parameters():
             p.grad = None

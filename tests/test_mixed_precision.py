@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 import autoparallel
 from autoparallel import precision
 from autoparallel.tracer import ColoTracer
-from models import CheapComm, batch_for, build_model, to_meta
+from models import CheapComm, batch_for, build_model, placements_of, to_meta, whole
 
 aten = torch.ops.aten
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -222,9 +222,9 @@ def run_mixed_parity(name, mesh_shape, policy, sim_mesh, steps=2):
                 assert _rel_err(v, want.detach()) < LOSS_TOL, (step, float(v), float(want))
             for pname, p in pmodel.named_parameters():
                 assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, pname  # master weights
-                for g in _ranks(p.grad.full_tensor()):
+                for g in _ranks(whole(p.grad)):
                     err = _rel_err(g, ref_params[pname].grad)
-                    assert err < GRAD_TOL, f"step {step} grad of {pname} {p.placements}: relative error {err:.3g}"
+                    assert err < GRAD_TOL, f"step {step} grad of {pname} {placements_of(p)}: relative error {err:.3g}"
             opt.step()
         ref_opt.step()
     with LocalTensorMode(ranks):
@@ -326,7 +326,7 @@ def run_autocast_parity(name, mesh_shape, sim_mesh):
             assert _rel_err(v, want.detach()) < LOSS_TOL
         ref_params = dict(ref.named_parameters())
         for pname, p in pmodel.named_parameters():
-            for g in _ranks(p.grad.full_tensor()):
+            for g in _ranks(whole(p.grad)):
                 assert _rel_err(g, ref_params[pname].grad) < GRAD_TOL, pname
 
 
@@ -359,8 +359,8 @@ def _gloo_rank(rank, world, policy):
     ref_params = dict(ref.named_parameters())
     for name, p in pmodel.named_parameters():
         assert p.grad.dtype == torch.float32
-        err = _rel_err(p.grad.full_tensor(), ref_params[name].grad)
-        assert err < GRAD_TOL, f"rank {rank}: grad of {name} {p.placements}: relative error {err:.3g}"
+        err = _rel_err(whole(p.grad), ref_params[name].grad)
+        assert err < GRAD_TOL, f"rank {rank}: grad of {name} {placements_of(p)}: relative error {err:.3g}"
 
 
 @pytest.mark.multiprocess

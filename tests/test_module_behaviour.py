@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import LocalTensorMode
 
 import autoparallel
-from models import MLP, ShardParams, batch_for, to_meta
+from models import MLP, ShardParams, batch_for, to_meta, whole
 from test_batchnorm import BNCNN, full, image_batches
 from test_parity import assert_close
 
@@ -112,7 +112,7 @@ def test_training_after_an_eval_pass_keeps_parity(sim_mesh):
             got.backward()
             assert_close(f"train {i}", got.detach(), want.detach())
             for name, p in pmodel.named_parameters():
-                assert_close(f"grad {name} {i}", p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+                assert_close(f"grad {name} {i}", whole(p.grad), dict(ref.named_parameters())[name].grad)
             opt.step()
         ref_opt.step()
         for name, b in pmodel.named_buffers():
@@ -159,7 +159,7 @@ def test_load_state_dict_takes_a_single_device_state_dict(sim_mesh):
         got = pmodel(**batch)
         for name, p in pmodel.named_parameters():
             assert isinstance(p.data, torch.distributed.tensor.DTensor)
-            assert_close(name, p.full_tensor(), ref.state_dict()[name])
+            assert_close(name, whole(p), ref.state_dict()[name])
         assert_close("loss", got.detach(), ref(**batch).detach())
         bad = {k: v[:1] for k, v in ref.state_dict().items()}
         with pytest.raises(RuntimeError, match="size mismatch"):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from gloo_ranks import spawn
+from models import placements_of, whole
 
 pytest.importorskip("transformers")
 
@@ -60,14 +61,14 @@ def _check(rank: int, when: str, loss, ref_loss, pmodel, ref_params: dict) -> No
         f"{where}: parameter names differ: {sorted(set(names) ^ set(ref_params))}"
     for name, p in names.items():
         assert p.grad is not None, f"{where}: {name} has no gradient"
-        full = p.grad.full_tensor()
+        full = whole(p.grad)
         ref = ref_params[name].grad
         assert full.shape == ref.shape, f"{where}: grad of {name} has shape {tuple(full.shape)}, " \
                                         f"single-device {tuple(ref.shape)}"
         if not torch.allclose(full, ref, rtol=RTOL, atol=ATOL):
             err = (full - ref).abs().max().item()
             raise AssertionError(f"{where}: grad of {name} differs from single-device "
-                                 f"(max abs err {err:.3g}, placements {p.grad.placements})")
+                                 f"(max abs err {err:.3g}, placements {placements_of(p.grad)})")
 
 
 def _worker(rank: int) -> None:

@@ -8,7 +8,7 @@ For each family every rank builds the model with the same seed, plans and emits 
 parameters: tensor parallelism, whose all-gathers, reduce-scatters and all-to-alls then go
 through real c10d; the worker checks that the emitted graph really holds ``_c10d_functional``
 collectives), runs one forward+backward on a batch identical on every rank, and compares the
-loss and every ``p.grad.full_tensor()`` with the single-device model (fp32, rtol 1e-4,
+loss and every ``whole(p.grad)`` with the single-device model (fp32, rtol 1e-4,
 atol 1e-5); then one SGD step on both and a second forward whose loss must agree too.
 
 All families share ONE spawn: starting 4 processes and their process group costs ~2 s, and
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoparallel
-from models import FAMILIES, TIMM, ShardParams, batch_for, to_meta
+from models import FAMILIES, ShardParams, TIMM, batch_for, placements_of, to_meta, whole
 from gloo_ranks import spawn
 from test_multiprocess import ATOL, MESH_SHAPE, RTOL, WORLD
 from test_parity import build, loss_of
@@ -70,12 +70,12 @@ def _grad_diffs(pmodel, ref_params: dict) -> list[str]:
                 out.append(f"grad of {name}: {'none' if p.grad is None else 'one'} here, "
                            f"{'none' if ref is None else 'one'} on one device")
             continue
-        full = p.grad.full_tensor()
+        full = whole(p.grad)
         if full.shape != ref.shape:
             out.append(f"grad of {name}: shape {tuple(full.shape)}, single-device {tuple(ref.shape)}")
         elif not torch.allclose(full, ref, rtol=RTOL, atol=ATOL):
             err = (full - ref).abs().max().item()
-            out.append(f"grad of {name} ({p.grad.placements}): max abs err {err:.3g} "
+            out.append(f"grad of {name} ({placements_of(p.grad)}): max abs err {err:.3g} "
                        f"(max abs {ref.abs().max().item():.3g})")
     return out
 
@@ -127,7 +127,7 @@ def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
     info["collectives"] = sorted(set(colls))
     if not colls:
         problems.append("the emitted graph holds no c10d collective")
-    split = [n for n, p in pmodel.named_parameters() if any(type(x).__name__ == "Shard" for x in p.placements)]
+    split = [n for n, p in pmodel.named_parameters() if any(type(x).__name__ == "Shard" for x in placements_of(p))]
     info["split_params"] = f"{len(split)}/{len(list(pmodel.parameters()))}"
     if not split:
         problems.append("ShardParams split no parameter")

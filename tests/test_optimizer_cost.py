@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoparallel
@@ -137,24 +137,30 @@ class _CountOps(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def dtensor_params(tmp_path_factory):
-    """The parameters, with gradients, of an MLP made parallel on a 1-device mesh of a real
-    1-rank gloo process group: DTensors, as on any mesh."""
+def one_rank_mesh(tmp_path_factory):
+    """A 1-device mesh of a real 1-rank gloo process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        x = torch.empty(8, 32, device="meta")
-        pmodel = autoparallel.autoparallelize(MLP(hidden=32, layers=2), {"x": x, "y": x}, device_mesh=mesh,
-                                              cache_dir=False, cost_model=CostModel("cpu"))
-        pmodel(x=torch.randn(8, 32), y=torch.randn(8, 32)).backward()
-        params = list(pmodel.parameters())
-        assert len(params) == 4 and all(isinstance(p, DTensor) and p.grad is not None for p in params)
-        yield params
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dtensor_params(one_rank_mesh):
+    """DTensor parameters with gradients, as a module holds them when its plan shards some
+    parameter (a 2-layer MLP's shapes; a 1-device mesh, on which every plan replicates)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = []
+    for shape in [(32, 32), (32,), (32, 32), (32,)]:
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(shape), one_rank_mesh, [Replicate()]))
+        p.grad = distribute_tensor(torch.randn(shape), one_rank_mesh, [Replicate()])
+        params.append(p)
+    return params
 
 
 def _count_second_step(opt) -> collections.Counter:
@@ -178,6 +184,34 @@ def test_op_counts_match_a_real_step(dtensor_params, optimizer, implementation):
     ops, n = OPTIMIZER_OPS[(optimizer, implementation)], len(dtensor_params)
     assert counts["dtensor"] == ops.per_param * n + ops.per_group
     assert counts["plain"] == ops.per_param_plain * n + ops.per_group_plain
+
+
+def test_replicated_plan_holds_plain_parameters(one_rank_mesh):
+    """A plan that replicates every parameter (every plan on one device) holds them as plain
+    tensors, as DDP does: its optimizer step dispatches no DTensor op."""
+    x = torch.empty(8, 32, device="meta")
+    pmodel = autoparallel.autoparallelize(MLP(hidden=32, layers=2), {"x": x, "y": x}, device_mesh=one_rank_mesh,
+                                          cache_dir=False, cost_model=CostModel("cpu"))
+    pmodel(x=torch.randn(8, 32), y=torch.randn(8, 32)).backward()
+    params = list(pmodel.parameters())
+    assert not pmodel.holds_dtensors and len(params) == 4
+    assert all(not isinstance(p.data, DTensor) and p.grad is not None for p in params)
+    ops = OPTIMIZER_OPS[("adamw", "for-loop")]
+    assert _count_second_step(torch.optim.AdamW(params)) == {"plain": (ops.per_param + ops.per_param_plain) * 4}
+
+
+def test_dtensor_overhead_is_paid_once_any_parameter_is_sharded():
+    """The plan prices DTensor's dispatch in the optimizer step for every parameter as soon as
+    one is sharded (the module then holds them all as DTensors), and not at all when every
+    parameter is replicated."""
+    overhead_only = CostModel(DevicePreset("overhead only", 1e12, 1e12, 1e30, 2**30, op_overhead=1e-6,
+                                           dtensor_op_overhead=1e-5))
+    ops, params = OPTIMIZER_OPS[("adamw", "for-loop")], 8
+    data = _plan(overhead_only, parallelism="data")
+    pinned = _plan(overhead_only, constraints={"layers.0.weight": "S0"})
+    assert all(p == Replicate() for s in data.param_placements.values() for p in s)
+    assert data.estimate["optimizer_s"] == pytest.approx(params * (ops.per_param + ops.per_param_plain) * 1e-6)
+    assert pinned.estimate["optimizer_s"] == pytest.approx(params * (ops.per_param * 1e-5 + ops.per_param_plain * 1e-6))
 
 
 def test_cpu_default_is_the_per_tensor_loop(dtensor_params):

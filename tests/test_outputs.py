@@ -15,7 +15,7 @@ from autoparallel.errors import PlanMismatchError
 from autoparallel.plan import Plan
 from autoparallel.tracer import ColoTracer
 from autoparallel.validate import validate_plan
-from models import CheapComm, batch_for, build_model, to_meta
+from models import CheapComm, batch_for, build_model, to_meta, whole
 from test_parity import assert_close
 
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def _run(mesh_shape, cost, sim_mesh, outputs=None):
         got = pmodel(**batch)
         logits = got.logits.full_tensor() if isinstance(got.logits, DTensor) else got.logits
         (got.loss + logits.square().mean()).backward()
-        grads = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters()}
+        grads = {n: whole(p.grad) for n, p in pmodel.named_parameters()}
     return pmodel, got, logits, want, ref, grads
 
 

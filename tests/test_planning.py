@@ -122,7 +122,7 @@ def _mlp_plan(hidden, batch):
 def test_known_optimal_megatron_mlp():
     """Wide MLP, small batch, 4 devices: column-parallel then row-parallel, alternating
     (Megatron-LM, arXiv 1909.08053 §3): nn.Linear weights [out, in] split Shard(0), Shard(1)."""
-    plan = _mlp_plan(hidden=256, batch=32)
+    plan = _mlp_plan(hidden=512, batch=32)
     got = [plan.param_placements[f"layers.{i}.weight"] for i in range(6)]
     assert got == [(S0,), (S1,)] * 3
     kinds = [c["kind"] for c in plan.collectives]

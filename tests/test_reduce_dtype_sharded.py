@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoparallel
 from autoparallel.runtime_kernels import param_all_gather
-from models import CheapComm, batch_for, build_model, to_meta
+from models import CheapComm, batch_for, build_model, placements_of, to_meta, whole
 from test_mixed_precision import GRAD_TOL, LOSS_TOL, _ranks, _rel_err, reference_loss
 
 F32_REDUCE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -88,7 +88,7 @@ def probe_gradient(policy, mesh, out_features):
         pmodel = autoparallel.autoparallelize(model, to_meta(inputs), device_mesh=mesh, constraints=probe_plan(),
                                               mp_policy=policy, cache_dir=False)
         pmodel(**inputs).backward()
-        grads = _ranks(pmodel.linear.weight.grad.full_tensor())
+        grads = _ranks(whole(pmodel.linear.weight.grad))
     return grads, pmodel.graph_module.code
 
 
@@ -134,9 +134,9 @@ def test_gpt2_fsdp_parity_with_fp32_reduce_scatter(sim_mesh):
             assert _rel_err(v, want.detach()) < LOSS_TOL, (float(v), float(want))
         for name, p in pmodel.named_parameters():
             assert p.grad.dtype == torch.float32, name
-            for g in _ranks(p.grad.full_tensor()):
+            for g in _ranks(whole(p.grad)):
                 err = _rel_err(g, ref_params[name].grad)
-                assert err < GRAD_TOL, f"grad of {name} {p.placements}: relative error {err:.3g}"
+                assert err < GRAD_TOL, f"grad of {name} {placements_of(p)}: relative error {err:.3g}"
 
 
 # ---------------------------------------------------------------- pricing
@@ -173,7 +173,7 @@ def _gloo_rank(rank):
         assert "param_all_gather(" in pmodel.graph_module.code
         pmodel(**inputs).backward()
         exact = inputs["t"].double().T @ inputs["x"].double()  # 1001 everywhere: bf16 holds 1000 or 1002
-        got = pmodel.linear.weight.grad.full_tensor()
+        got = whole(pmodel.linear.weight.grad)
         assert got.dtype == torch.float32 and torch.equal(got.double(), exact), (rank, stored, got)
 
 

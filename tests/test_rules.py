@@ -35,6 +35,7 @@ from autoparallel.strategies.engine import DimMap
 from autoparallel.strategies.records import RECORDS, OpRecord
 from autoparallel.strategies.rules import REPLICATE_ONLY, pointwise_dimmap
 from autoparallel.tracer import ColoTracer
+from models import whole
 
 aten = torch.ops.aten
 f32 = torch.float32
@@ -345,7 +346,7 @@ def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets, samples=SAMP
                     for pname, p in pmodel.named_parameters():
                         if ref_grads.get(pname) is None:
                             continue
-                        for v in _ranks(p.grad.full_tensor()):
+                        for v in _ranks(whole(p.grad)):
                             torch.testing.assert_close(v, ref_grads[pname], rtol=1e-4, atol=1e-5,
                                                        msg=lambda m: f"{what}, grad of {pname}: {m}")
         except AssertionError as e:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from ..errors import InputMismatchError
 from ..fqn import get_attr, set_attr
 from ..pickling import NotPicklable, ParallelGraph
+from ..placement import is_replicated
 from ..plan import Plan
 from ..runtime_kernels import per_rank
 from .batch_check import BatchCheck
@@ -144,8 +145,10 @@ class Variant:
 class ParallelModule(NotPicklable, nn.Module):
     """The parallel module: same call signature and outputs as the original model.
 
-    Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh``, registered under
-    the original model's names (tied parameters stay one object), so ``torch.optim``,
+    Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh`` (plain tensors, as
+    under DDP, where the plan replicates every parameter and buffer on every device:
+    ``holds_dtensors`` is then false, and the optimizer step runs without DTensor's dispatch),
+    registered under the original model's names (tied parameters stay one object), so ``torch.optim``,
     ``clip_grad_norm_`` and ``state_dict()`` work unchanged; ``load_state_dict`` also takes
     a plain state dict (full tensors, e.g. the model's own or pretrained weights) and
     shards it like the module's parameters (rank 0's values). Inputs are the global batch,
@@ -210,10 +213,12 @@ class ParallelModule(NotPicklable, nn.Module):
         transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
                      for b in mod._non_persistent_buffers_set}
         repl = (Replicate(),) * device_mesh.ndim
+        # a plan that replicates every parameter and buffer holds them as plain tensors, as DDP does
+        self.__dict__["holds_dtensors"] = not all(is_replicated(s) for s in plan.param_placements.values())
         for tid, (orig, names) in groups.items():
             target = target_of.get(tid)
             spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
-            dt = _distribute(orig, device_mesh, spec)
+            dt = _distribute(orig, device_mesh, spec, as_dtensor=self.holds_dtensors)
             value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
             for name in names + ([target] if target and target not in names else []):
                 set_attr(self, name, value, persistent=name not in transient)
@@ -335,25 +340,33 @@ class ParallelModule(NotPicklable, nn.Module):
                                   stride=stride)
 
 
-def _distribute(tensor: torch.Tensor, device_mesh, spec) -> DTensor:
-    """``tensor`` (rank 0's values) as a DTensor of placements ``spec``; under simulated ranks its
-    local shards are LocalTensors. The global shape is given: shards split unevenly (``torch.chunk``
+def _distribute(tensor: torch.Tensor, device_mesh, spec, as_dtensor: bool = True) -> torch.Tensor:
+    """``tensor`` (rank 0's values) as a DTensor of placements ``spec``, or (``as_dtensor``
+    false; ``spec`` replicated) as this device's plain copy; under simulated ranks its local
+    shards are LocalTensors. The global shape is given: shards split unevenly (``torch.chunk``
     pieces) differ in size and would not tell it."""
     dt = distribute_tensor(tensor.detach().to(device_mesh.device_type), device_mesh, list(spec))
+    if not as_dtensor:
+        return per_rank(dt.to_local())
     return DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False,
                               shape=dt.shape, stride=dt.stride())
 
 
 def _shard_plain_tensors(module: ParallelModule, state_dict, prefix, *args) -> None:
     """``load_state_dict`` pre-hook: a plain tensor given for a DTensor parameter or buffer (a
-    single-device checkpoint, pretrained weights) becomes a DTensor of the same placements."""
+    single-device checkpoint, pretrained weights) becomes a DTensor of the same placements, or,
+    where the module holds plain tensors, rank 0's values (as for DTensors); a DTensor given for
+    a plain tensor is loaded whole."""
     own = dict(module.named_parameters(remove_duplicate=False))
     own.update(module.named_buffers(remove_duplicate=False))
     for key, value in list(state_dict.items()):
-        if not key.startswith(prefix):
+        mine = own.get(key[len(prefix):]) if key.startswith(prefix) else None
+        if mine is None or not isinstance(value, torch.Tensor):
             continue
-        mine = own.get(key[len(prefix):])
-        if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            if tuple(value.shape) != tuple(mine.shape):
-                continue  # load_state_dict reports the size mismatch with the key
-            state_dict[key] = _distribute(value.to(mine.dtype), mine.device_mesh, mine.placements)
+        if isinstance(value, DTensor) and not isinstance(mine, DTensor):
+            state_dict[key] = value.full_tensor()
+        # a plain tensor of another shape is left to load_state_dict, which reports the mismatch
+        elif not isinstance(value, DTensor) and tuple(value.shape) == tuple(mine.shape):
+            dtensor = isinstance(mine, DTensor)
+            spec = mine.placements if dtensor else (Replicate(),) * module.device_mesh.ndim
+            state_dict[key] = _distribute(value.to(mine.dtype), module.device_mesh, spec, as_dtensor=dtensor)

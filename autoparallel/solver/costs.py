@@ -698,7 +698,7 @@ class CostModel:
 
     # ------------------------------------------------------------ optimizer
     def optimizer_step_time(self, numel: int, itemsize: int, optimizer: str = "adamw",
-                            implementation: str = "for-loop", params: int = 1) -> float:
+                            implementation: str = "for-loop", params: int = 1, dtensor: bool = True) -> float:
         """Seconds one optimizer step spends on one trainable parameter, on one device:
 
             ``E·numel·itemsize / mem_bw + k_p·o_D + k_pp·o + (k_g·o_D + k_gp·o) / params``
@@ -707,8 +707,10 @@ class CostModel:
         ``n`` devices updates ``1/n`` of it on each: the point of ZeRO, Rajbhandari et al., SC
         2020, §5), ``E`` the elements read and written per element
         (:data:`OPTIMIZER_ELEMENTS`: 7 for AdamW), ``o_D`` the device's
-        ``dtensor_op_overhead`` (the module's parameters, gradients and states are DTensors),
-        ``o`` its ``op_overhead`` (ops on plain tensors: the step counters), and ``k_p``,
+        ``dtensor_op_overhead`` where the module's parameters, gradients and states are
+        DTensors (``dtensor``; else ``o_D = o``: a plan that replicates every parameter on
+        every device holds them as plain tensors), ``o`` its ``op_overhead`` (ops on plain
+        tensors: the step counters), and ``k_p``,
         ``k_pp``, ``k_g``, ``k_gp`` the ops :data:`OPTIMIZER_OPS` counts per parameter and per
         parameter group for ``implementation``; a foreach group's ops are shared equally by its
         ``params`` parameters, so that the sum over the parameters is the step. The traffic
@@ -729,6 +731,7 @@ class CostModel:
             optimizer: a key of :data:`~autoparallel.solver.memory.OPTIMIZER_STATES`.
             implementation: ``"for-loop"`` or ``"foreach"`` (:func:`optimizer_implementation`).
             params: trainable parameters in the step (the foreach group's size).
+            dtensor: whether the parameters are DTensors.
 
         Raises:
             ValueError: an unknown optimizer or implementation, ``params`` below 1.
@@ -741,8 +744,9 @@ class CostModel:
             raise ValueError(f"optimizer_step_time: params must be >= 1, got {params!r}")
         dev = self.device
         traffic = OPTIMIZER_ELEMENTS[optimizer] * numel * itemsize / dev.mem_bw
-        per_param = ops.per_param * dev.dtensor_op_overhead + ops.per_param_plain * dev.op_overhead
-        per_group = ops.per_group * dev.dtensor_op_overhead + ops.per_group_plain * dev.op_overhead
+        o_d = dev.dtensor_op_overhead if dtensor else dev.op_overhead
+        per_param = ops.per_param * o_d + ops.per_param_plain * dev.op_overhead
+        per_group = ops.per_group * o_d + ops.per_group_plain * dev.op_overhead
         return traffic + per_param + per_group / params
 
     # ------------------------------------------------------------ compute

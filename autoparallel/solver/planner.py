@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from .. import precision
 from ..mesh import MeshSpec
-from ..placement import R, Spec, local_shape
+from ..placement import R, Spec, is_replicated, local_shape
 from ..errors import InfeasiblePlanError
 from ..plan import Redistribution, NodePlan, Plan, returned_spec
 from ..graph import aliased_input, is_view, layer_of, layers_of, output_leaves, tensor_inputs, written_inputs
@@ -194,14 +194,36 @@ class Planner:
 
     def optimizer_time(self, node: fx.Node, s: Strategy) -> float:
         """Seconds the optimizer step spends on parameter ``node``'s local shard under ``s``
-        (:meth:`~autoparallel.solver.costs.CostModel.optimizer_step_time`); 0 for nodes
-        without a gradient."""
+        (:meth:`~autoparallel.solver.costs.CostModel.optimizer_step_time`) with the
+        parameters held as plain tensors; 0 for nodes without a gradient. What DTensor
+        parameters add is :meth:`dtensor_overhead`, paid once for the whole plan."""
         if node.name not in self._grad_params:
             return 0.0
         shape, dtype = node_info(node).outputs[0]
         numel = math.prod(local_shape(shape, s.outputs[0], self.mesh.shape))
         return self.cm.optimizer_step_time(numel, dtype.itemsize, self.optimizer, self.optimizer_impl,
-                                           len(self._grad_params))
+                                           len(self._grad_params), dtensor=False)
+
+    def dtensor_overhead(self) -> float:
+        """Seconds the optimizer step adds to :meth:`optimizer_time`'s sum when the module
+        holds its parameters as DTensors: the DTensor dispatch of its ops on every trainable
+        parameter. The module does unless the plan replicates every parameter and buffer on
+        every device (:class:`~autoparallel.codegen.module.ParallelModule`), so the ILP pays
+        it once when any of them is placed otherwise (:meth:`_dtensor_charge`)."""
+        n = len(self._grad_params)
+        if n == 0:
+            return 0.0
+        step = functools.partial(self.cm.optimizer_step_time, 0, 1, self.optimizer, self.optimizer_impl, n)
+        return max(0.0, n * (step(dtensor=True) - step(dtensor=False)))  # 0: a preset without the overhead
+
+    def _state_nodes(self) -> list[fx.Node]:
+        """The ``get_attr`` nodes of parameters and buffers."""
+        return [n for n in self.nodes if n.op == "get_attr" and n.target in self.param_names]
+
+    def holds_dtensors(self, choice: dict[fx.Node, Strategy]) -> bool:
+        """Whether the module of ``choice`` holds its parameters as DTensors: some parameter
+        or buffer is not replicated on every device."""
+        return any(not is_replicated(choice[n].outputs[0]) for n in self._state_nodes())
 
     def _spans_world(self, spec: Spec) -> bool:
         """Whether ``spec`` replicates along two or more mesh axes of more than one device that
@@ -403,7 +425,7 @@ class Planner:
                                list(self._edges()), {})
         built.ilp.node_costs = self._group_costs(built, croots) + [[0.0]]  # the last group: the graph output
         built.ilp.exposed_rows = self.exposed_grad_rows(built)
-        built.ilp.fixed_charges = self._latency_charges(built)
+        built.ilp.fixed_charges = self._latency_charges(built) + self._dtensor_charge(built)
         self._add_edges(built)
         built.stats = {"groups": sum(1 for n in self.nodes if root[n] is n), "ilp_groups": len(croots),
                        "shared_nodes": sum(1 for n in self.nodes if tmpl[n] is not n)}
@@ -478,6 +500,18 @@ class Planner:
             if strategies:
                 charges.append(FixedCharge(self._latency(group), strategies))
         return charges
+
+    def _dtensor_charge(self, built: GroupedProblem) -> list[FixedCharge]:
+        """:meth:`dtensor_overhead` as an ILP fixed charge over every strategy that does not
+        replicate a parameter or buffer on every device."""
+        cost, strategies = self.dtensor_overhead(), {}
+        for node in self._state_nodes():
+            t = built.template[node]
+            ks = [i for i, si in enumerate(built.fmap[t]) if not is_replicated(self.strategies[t][si].outputs[0])]
+            if ks:
+                g = built.group[built.root[t]]
+                strategies[g] = sorted(set(strategies.get(g, [])) | set(ks))
+        return [FixedCharge(cost, strategies)] if cost and strategies else []
 
     def grad_comm(self, choice: dict[fx.Node, Strategy]) -> tuple[float, float]:
         """``(grad_comm_s, exposed_grad_comm_s)`` of a strategy choice: the seconds of every
@@ -798,6 +832,9 @@ class Planner:
         comm += grad_exposed - sum(sum(self.grad_reduction(n, s)) for n, s in choice.items())
         # compute holds the optimizer step: each trainable parameter's node_cost is its update
         optimizer = sum(self.optimizer_time(n, s) for n, s in choice.items())
+        if self.holds_dtensors(choice):  # in no node's compute_s: paid once for the module
+            optimizer += self.dtensor_overhead()
+            compute += self.dtensor_overhead()
         estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
                     "grad_comm_s": grad_total, "exposed_grad_comm_s": grad_exposed}
         if memory:
