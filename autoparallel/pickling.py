@@ -4,7 +4,7 @@ A :class:`~autoparallel.codegen.module.ParallelModule` runs per-device graphs wh
 collectives name this run's process groups (c10d group names, bound when the mesh was made),
 so neither the module nor its graph modules can be written by ``torch.save`` / ``pickle`` and
 read in another process: process groups are not picklable by design. What is worth keeping
-is picklable: the weights (``pmodel.state_dict()``, DTensors) and the plan
+is picklable: the weights (``pmodel.state_dict()``: DTensors, or plain tensors) and the plan
 (``pmodel.plan.to_json()``), from which ``autoparallelize(..., plan=...)`` builds the module
 again on a new mesh without planning. ``copy.deepcopy`` stays possible: the copy lives in the
 same process and shares its process groups.
