@@ -11,7 +11,8 @@ Rows (targets on a 2-core machine):
 
 The Llama rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 master weights and
-optimizer states) and the default memory budget (80 GiB less the 10 % reserve); each prints the
+optimizer states), ``device="cuda"`` (the optimizer step priced as CUDA's foreach AdamW) and the
+default memory budget (80 GiB less the 10 % reserve); each prints the
 modelled peak and its breakdown, the fraction of parameter elements split along each mesh axis,
 and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
 
@@ -81,7 +82,7 @@ def run(name, solver, share, stamp, budget=None, baselines=True):
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
     kw = {}
     if llm:
-        kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget,
+        kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     t0, cpu0 = time.perf_counter(), _cpu_s()
     plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_shape=mesh, solver=solver,

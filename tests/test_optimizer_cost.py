@@ -246,3 +246,21 @@ def test_profiled_world_all_reduce_prices_the_world_bucket():
     with pytest.raises(ValueError, match="over mesh axis None"):  # only where buckets can span the world
         CommProfile(identity | {"world_size": 2, "mesh_shape": [2, 1]}, ("dp", "tp"),
                     {(None, "all_reduce"): world}, TRAFFIC_ONLY)
+
+
+def test_plan_for_cuda_on_any_build(caplog):
+    """``plan(device="cuda")`` plans for GPUs on a machine without them, whatever this torch was
+    built with: where torch has no CUDA backend the memory model measures saved tensors with
+    CPU kernels (some ops on fake CUDA tensors abort the process there), saying so."""
+    import logging
+
+    pytest.importorskip("transformers")
+    from models import batch_for, hf_model, to_meta
+
+    with torch.device("meta"):
+        model = hf_model("llama")
+    with caplog.at_level(logging.WARNING, logger="autoparallel"):
+        plan = autoparallel.plan(model, to_meta(batch_for("llama", 0)), mesh_shape=(2,), device="cuda",
+                                 cost_model=CostModel(TRAFFIC_ONLY), cache_dir=False, baselines=False)
+    assert plan.estimate["peak_memory_bytes"] > 0
+    assert ("built without cuda" in caplog.text) == (not torch.backends.cuda.is_built())

@@ -319,15 +319,31 @@ def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list
     return result
 
 
+def _kernels_device(device: str) -> str:
+    """``device``, or ``"cpu"`` when this torch is built without its backend: FakeTensors of a
+    device type torch was not built for can be made, but some ops on them (SDPA) abort the
+    process in C++ ("not linked with support for cuda devices") instead of raising. Planning
+    for GPUs on a CPU-only build then reads CPU kernels' saved tensors, with a warning: SDPA's
+    flash kernel saves the logsumexp where CPU's math kernel saves the probabilities."""
+    built = {"cuda": torch.backends.cuda.is_built, "mps": torch.backends.mps.is_built}.get(torch.device(device).type)
+    if built is None or built():
+        return device
+    log.warning("memory model: this torch is built without %s; the tensors ops save for the backward are "
+                "measured with CPU kernels (attention may save more than on %s)", device, device)
+    return "cpu"
+
+
 def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: str = "meta") -> list[Saved]:
     """What every node saves for backward (global sizes), in graph order.
 
-    Each distinct op signature runs once, alone, on FakeTensors of ``device`` under
+    Each distinct op signature runs once, alone, on FakeTensors of ``device`` (CPU's where this
+    torch lacks its backend: :func:`_kernels_device`) under
     ``torch.autograd.graph.saved_tensors_hooks`` (nothing is allocated; repeated layers
     cost nothing more). Saved inputs and outputs are mapped to the graph value that owns
     their storage (:func:`storage_owner`). Nodes without tensor outputs (``aten.item``: a
     Python number) save nothing: autograd does not differentiate through them.
     """
+    device = _kernels_device(device)
     memo: dict = {}
     records = []
     for node in gm.graph.nodes:
