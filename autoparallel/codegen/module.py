@@ -177,6 +177,8 @@ class ParallelModule(NotPicklable, nn.Module):
             ``print(pmodel.graph_module.code)`` shows its collectives.
         plans / graph_modules: ``(training, input signature)`` → plan / graph module, every
             mode and re-plan included.
+        holds_dtensors: whether parameters and buffers are DTensors (false: plain tensors,
+            the plan replicating every one of them on every device).
 
     Raises (on call):
         InputMismatchError: inputs whose structure or keywords differ from the planned ones,
