@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from . import precision
 from .mesh import MeshSpec
-from .placement import R, Spec, spec_from_json, spec_str, spec_to_json, unit_of
+from .placement import R, Spec, is_replicated, spec_from_json, spec_str, spec_to_json, unit_of
 
 OUTPUTS = ("sharded", "replicated")
 """How the module returns its outputs (the ``outputs=`` planning option): ``"sharded"`` in
@@ -278,6 +278,14 @@ class Redistribution:
         return cls(d["src"], d["src_index"], d["dst"], d["arg"], shape, moves, d["cost_s"])
 
 
+def holds_dtensors(param_placements: dict[str, Spec]) -> bool:
+    """Whether a module whose parameters and buffers are placed as ``param_placements`` (name
+    → spec) holds them as DTensors: unless every one is replicated on every device, in which
+    case they are plain tensors, as under DDP (docs/design.md, "Plain parameters when the plan
+    replicates them all")."""
+    return not all(is_replicated(s) for s in param_placements.values())
+
+
 @dataclass
 class Plan:
     """Node → strategy, edge → collectives, estimates (see module docstring).
@@ -324,6 +332,12 @@ class Plan:
                 out.append({"kind": m.kind, "mesh_axes": [m.axis], "bytes": m.nbytes, "node": c.dst,
                             "src": c.src})
         return out
+
+    @property
+    def holds_dtensors(self) -> bool:
+        """Whether the module of this plan holds its parameters and buffers as DTensors
+        (:func:`holds_dtensors`)."""
+        return holds_dtensors(self.param_placements)
 
     def table(self, all_nodes: bool = False) -> str:
         """The plan as a text table, one row per node, placements in the named notation

@@ -166,7 +166,6 @@ def test_the_loss_prices_its_own_all_reduces():
     """Classes split four ways: two all-reduces (max, sum) of one float32 per row (the
     backward has none); with the batch split too, each device's rows only, and 'mean' adds
     the denominator's all-reduce over the batch axis."""
-    import autoparallel
     from autoparallel.mesh import MeshSpec
     from autoparallel.placement import P, R
     from autoparallel.strategies.engine import Strategy
@@ -189,7 +188,6 @@ def test_gpt2_plan_splits_the_vocabulary_when_the_batch_cannot_be():
     """Planning only (no devices): GPT-2 with a 2048-word vocabulary at batch 2 on (4,), cpu
     preset (:data:`CPU`), splits the embedding's vocabulary and the loss's classes (at batch 8 the same
     model is data-parallel: see the design notes)."""
-    import autoparallel
     from torch.distributed.tensor import Shard
 
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in _lm_batch(0, 2048).items()}
@@ -215,7 +213,6 @@ def test_gpt2_plans_vocab_parallel_and_trains_as_on_one_device(vocab, sim_mesh):
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import Shard
 
-    import autoparallel
     from models import to_meta
     from test_parity import train_side_by_side
 
@@ -244,7 +241,6 @@ def _gloo_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    import autoparallel
     from models import to_meta
     from test_multiprocess import _check
 

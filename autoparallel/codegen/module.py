@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from ..errors import InputMismatchError
 from ..fqn import get_attr, set_attr
 from ..pickling import NotPicklable, ParallelGraph
-from ..placement import is_replicated
 from ..plan import Plan
 from ..runtime_kernels import per_rank
 from .batch_check import BatchCheck
@@ -215,8 +214,7 @@ class ParallelModule(NotPicklable, nn.Module):
         transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
                      for b in mod._non_persistent_buffers_set}
         repl = (Replicate(),) * device_mesh.ndim
-        # a plan that replicates every parameter and buffer holds them as plain tensors, as DDP does
-        self.__dict__["holds_dtensors"] = not all(is_replicated(s) for s in plan.param_placements.values())
+        self.__dict__["holds_dtensors"] = plan.holds_dtensors
         for tid, (orig, names) in groups.items():
             target = target_of.get(tid)
             spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated

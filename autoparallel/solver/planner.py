@@ -19,7 +19,7 @@ from .. import precision
 from ..mesh import MeshSpec
 from ..placement import R, Spec, is_replicated, local_shape
 from ..errors import InfeasiblePlanError
-from ..plan import Redistribution, NodePlan, Plan, returned_spec
+from ..plan import Redistribution, NodePlan, Plan, holds_dtensors, returned_spec
 from ..graph import aliased_input, is_view, layer_of, layers_of, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
@@ -219,11 +219,6 @@ class Planner:
     def _state_nodes(self) -> list[fx.Node]:
         """The ``get_attr`` nodes of parameters and buffers."""
         return [n for n in self.nodes if n.op == "get_attr" and n.target in self.param_names]
-
-    def holds_dtensors(self, choice: dict[fx.Node, Strategy]) -> bool:
-        """Whether the module of ``choice`` holds its parameters as DTensors: some parameter
-        or buffer is not replicated on every device."""
-        return any(not is_replicated(choice[n].outputs[0]) for n in self._state_nodes())
 
     def _spans_world(self, spec: Spec) -> bool:
         """Whether ``spec`` replicates along two or more mesh axes of more than one device that
@@ -832,9 +827,10 @@ class Planner:
         comm += grad_exposed - sum(sum(self.grad_reduction(n, s)) for n, s in choice.items())
         # compute holds the optimizer step: each trainable parameter's node_cost is its update
         optimizer = sum(self.optimizer_time(n, s) for n, s in choice.items())
-        if self.holds_dtensors(choice):  # in no node's compute_s: paid once for the module
-            optimizer += self.dtensor_overhead()
-            compute += self.dtensor_overhead()
+        if holds_dtensors(params):  # in no node's compute_s: paid once for the module
+            overhead = self.dtensor_overhead()
+            optimizer += overhead
+            compute += overhead
         estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
                     "grad_comm_s": grad_total, "exposed_grad_comm_s": grad_exposed}
         if memory:
