@@ -31,6 +31,7 @@ from .passes import apply_plan
 from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
+from .passes.fused_parts import rejoin_projection_parts
 from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
@@ -675,13 +676,15 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     """The per-device graph of ``plan`` for ``traced`` as a GraphModule over ``root`` (a module
     or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
     :func:`apply_plan` (gradient buckets of at most ``bucket_cap_bytes``), per-shard random
-    ops, activation checkpointing, then the forward's collectives scheduled for overlap."""
+    ops, the parts of fused projections rejoined where a device computes them from one whole
+    weight, activation checkpointing, then the forward's collectives scheduled for overlap."""
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
+    rejoin_projection_parts(graph, traced.gm.graph)
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages

@@ -210,14 +210,15 @@ def test_capture_rewrites_phi3():
 
 # ---------------------------------------------------------------- parity on simulated meshes
 
-def _parity(ref, batches, mesh, cost_model, loss):
+def _parity(ref, batches, mesh, cost_model, loss, **options):
     """Train a copy of ``ref`` on ``mesh`` beside ``ref`` on one device (test_parity's check)."""
     from test_parity import train_side_by_side
 
     model = copy.deepcopy(ref)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batches[0]), device_mesh=mesh, cost_model=cost_model)
+        pmodel = autoparallel.autoparallelize(model, to_meta(batches[0]), device_mesh=mesh, cost_model=cost_model,
+                                              **options)
     assert set(dict(pmodel.named_parameters())) == set(dict(ref.named_parameters()))
     assert set(pmodel.state_dict()) == set(ref.state_dict())
     train_side_by_side(ref, pmodel, batches, ranks, loss)
@@ -266,6 +267,28 @@ def test_gpt2_attention_split_by_heads(mesh_shape, batch, sim_mesh):
     pmodel = _parity(_gpt2(), batches, sim_mesh(mesh_shape), CheapComm("a100"), loss=lambda out: out.loss)
     for layer in range(2):
         assert _heads_axes(pmodel.plan, layer), f"layer {layer} is not split by heads:\n{pmodel.plan}"
+
+
+def _count(pmodel, target) -> int:
+    return sum(n.target is target for n in pmodel.graph_module.graph.nodes)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,)], ids=["1", "2"])
+def test_parts_rejoined_where_a_device_computes_them_whole(mesh_shape, sim_mesh):
+    """Data parallel: every device computes ``c_attn`` from its whole weight, so the emitted graph
+    runs one ``addmm`` and one ``split_with_sizes`` per layer, as eager GPT-2 does, instead of three
+    products on slices of the weight (passes/fused_parts.py); the loss and every gradient equal one
+    device's. With the heads split the parts stay apart (test_gpt2_attention_split_by_heads)."""
+    pytest.importorskip("transformers")
+    from models import batch_for
+
+    batches = [batch_for("gpt2", seed, batch=4) for seed in range(2)]
+    pmodel = _parity(_gpt2(n_embd=64, n_head=4), batches, sim_mesh(mesh_shape), autoparallel.CostModel("cpu"),
+                     loss=lambda out: out.loss, parallelism="data")
+    assert _count(pmodel, aten.split_with_sizes.default) == 2
+    assert _count(pmodel, aten.addmm.default) == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    sliced = [n.args[0].name for n in pmodel.graph_module.graph.nodes if n.target is aten.slice.Tensor]
+    assert not [name for name in sliced if "c_attn" in name], sliced
 
 
 @pytest.mark.parametrize("make,mesh_shape", [

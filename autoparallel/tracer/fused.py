@@ -141,7 +141,7 @@ def _rewrite(graph: fx.Graph, mm: fx.Node) -> bool:
 
 
 # per op: (argument, dim of the out-features, or None for the last) of each operand that carries them
-_SLICED = {aten.linear.default: (("weight", 0), ("bias", None)),
+SLICED_OPERANDS = {aten.linear.default: (("weight", 0), ("bias", None)),
            aten.addmm.default: (("self", None), ("mat2", None)),
            aten.mm.default: (("mat2", None),), aten.bmm.default: (("mat2", None),),
            aten.matmul.default: (("other", None),)}
@@ -150,7 +150,7 @@ _SLICED = {aten.linear.default: (("weight", 0), ("bias", None)),
 def _weight_sliceable(mm: fx.Node) -> bool:
     """The weight operand has the out-features dim (``linear``: its first dim of two; the
     others: the last of two or more)."""
-    name, dim = _SLICED[mm.target][0 if mm.target is aten.linear.default else -1]
+    name, dim = SLICED_OPERANDS[mm.target][0 if mm.target is aten.linear.default else -1]
     w = op_args(mm)[name]
     if not isinstance(w, fx.Node):
         return False
@@ -175,7 +175,7 @@ def _part(graph: fx.Graph, mm: fx.Node, chain: list[fx.Node], start: int, end: i
     n = _static_shape(mm)[-1]
     args, kwargs = list(mm.args), dict(mm.kwargs)
     positional = [a.name for a in mm.target._schema.arguments if not a.kwarg_only]
-    for name, dim in _SLICED[mm.target]:
+    for name, dim in SLICED_OPERANDS[mm.target]:
         if name in kwargs:
             kwargs[name] = _slice(graph, mm, kwargs[name], dim, start, end, n)
         elif positional.index(name) < len(args):
