@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
@@ -154,6 +155,26 @@ def is_view(node: fx.Node) -> bool:
     """Whether ``node`` is a view: its output aliases an input it does not write into
     (``view``, ``transpose``, ``slice``, ``expand``, ``detach``, ...)."""
     return alias_source(node) is not None and not written_args(node)
+
+
+# Views whose backward is a view of the gradient too (``slice``, ``select``, ``expand`` and the
+# split getitems are not: their backward writes zeros around the gradient, or sums it).
+_VIEWS_BOTH_WAYS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+                    aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+                    aten.squeeze.dims, aten.squeeze.default, aten.alias.default, aten.detach.default,
+                    aten.to.dtype, aten.to.dtype_layout, aten.unflatten.int, aten.flatten.using_ints}
+
+
+def moves_no_data(node: fx.Node) -> bool:
+    """Whether ``node`` and its backward only re-describe memory: a view of its input in both
+    directions whose traced output shares its input's storage (so not a ``reshape`` that had to
+    copy, nor a ``to`` that changed the dtype)."""
+    if node.op != "call_function" or node.target not in _VIEWS_BOTH_WAYS or not is_view(node):
+        return False
+    out, src = node.meta.get("val"), alias_source(node).meta.get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)):
+        return False
+    return StorageWeakRef(out.untyped_storage()) == StorageWeakRef(src.untyped_storage())
 
 
 def alias_base(node: fx.Node) -> fx.Node:

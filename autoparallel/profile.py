@@ -20,6 +20,7 @@ values all ranks agree on (reduced over the world), so the ranks never diverge.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,9 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.flop_counter import sdpa_flop_count
 
 from . import cache
-from .solver.costs import COLLECTIVES, PROFILE_FORMAT, CollectiveTable, CommProfile, DevicePreset, profile_key
+from .solver.costs import COLLECTIVES, PROFILE_FORMAT, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +284,11 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     forward and backward, over its 64 calls (2.8 µs a forward call and 4.9 µs a backward one
     on the 2-core test VM, torch 2.13; on a GPU, launches behind which no kernel runs
     longer). DTensor op overhead: AdamW's eight update ops on one-element DTensors over a
-    one-device mesh, per op (:func:`_dtensor_op_overhead`). Each rate is the median of 3
+    one-device mesh, per op (:func:`_dtensor_op_overhead`). Attention efficiency:
+    ``scaled_dot_product_attention`` forward and backward on ``[4, 8, 256, 64]`` (fp32 on a CPU,
+    bf16 elsewhere), its FLOP/s over the matmul rate of that dtype
+    (:func:`_attention_efficiency`). Step efficiency: a reference training step timed against
+    what the roofline of these rates predicts for it (:func:`_step_efficiency`). Each rate is the median of 3
     samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
     so processes that share cores (4 ranks on 2 cores) measure their share and not a lucky
     slice alone. Memory: the device's total, or on CPU the host's divided by
@@ -303,9 +309,10 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_on_host)
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
-    return DevicePreset(f"measured {_device_name(device.type)}", fp32, half,
-                        _memory_rate(device, share, ranks_on_host), float(memory), _op_overhead(device),
-                        _dtensor_op_overhead(device))
+    rates = DevicePreset(f"measured {_device_name(device.type)}", fp32, half,
+                         _memory_rate(device, share, ranks_on_host), float(memory), _op_overhead(device),
+                         _dtensor_op_overhead(device), _attention_efficiency(device, fp32, half))
+    return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates))
 
 
 def _median_time(fn, device: torch.device, repeats: int = 3) -> float:
@@ -372,6 +379,54 @@ def _dtensor_op_overhead(device: torch.device) -> float:
     return _median_time(update, device) / 8
 
 
+class _ReferenceBlocks(torch.nn.Module):
+    """The reference of :func:`_step_efficiency`: two pre-norm transformer encoder layers of
+    ``torch.nn`` (width 512, 8 heads, feed-forward 2048, no dropout) and a mean-square loss."""
+
+    def __init__(self, width: int = 512):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(width, width // 64, 4 * width, dropout=0.0, batch_first=True,
+                                             norm_first=True) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
+    """The forward and backward of :class:`_ReferenceBlocks` on a ``[4, 128, 512]`` input as
+    planned for one device with ``rates`` (the estimate's compute less the optimizer step), over
+    its measured time (:func:`_median_time`): the share of the roofline's rates a training step
+    achieves in place (:attr:`DevicePreset.step_efficiency`)."""
+    from .api import plan  # the planner's own estimate of the reference; api imports this module
+
+    with torch.device(device):
+        torch.manual_seed(0)
+        model, x = _ReferenceBlocks(), torch.randn(4, 128, 512)
+    meta = (torch.empty(x.shape, device="meta"),)
+    estimate = plan(model, meta, mesh_shape=(1,), cost_model=CostModel(rates), cache_dir=False, baselines=False,
+                    device=device.type).estimate
+    predicted = estimate["compute_s"] - estimate["optimizer_s"]
+    return predicted / _median_time(lambda: model(x).backward(), device)
+
+
+def _attention_efficiency(device: torch.device, fp32: float, half: float) -> float:
+    """FLOP/s of ``scaled_dot_product_attention``'s forward and backward on q, k, v of
+    ``[4, 8, 256, 64]`` over the matmul rate (``fp32`` on a CPU, ``half`` elsewhere: the dtype
+    its kernels are timed in), timed by :func:`_median_time`. Its work is 3.5 times the
+    forward's FLOPs (torch's ``sdpa_flop_count``): the backward does 2.5 times the forward's."""
+    dtype, rate = (torch.float32, fp32) if device.type == "cpu" else (torch.bfloat16, half)
+    q, k, v = (torch.randn(4, 8, 256, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    flops = 3.5 * sdpa_flop_count(q.shape, k.shape, v.shape)
+    return flops / _median_time(step, device) / rate
+
+
 def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> float:
     best, spent, n = 0.0, 0.0, 256
     while n <= _MAX_MATMUL_N:
@@ -412,10 +467,10 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
     if text is not None:
         return _device_from_json(text)
     mine = calibrate_device(device, time_budget=budget, ranks_on_host=kind["ranks_on_host"])
-    fp32, half, bw, mem, neg_overhead, neg_dtensor = _agree(
-        [mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory, -mine.op_overhead, -mine.dtensor_op_overhead],
-        dist.ReduceOp.MIN, device)
-    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead, -neg_dtensor)
+    fp32, half, bw, mem, neg_overhead, neg_dtensor, attention, step = _agree(
+        [mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory, -mine.op_overhead, -mine.dtensor_op_overhead,
+         mine.attention_efficiency, mine.step_efficiency], dist.ReduceOp.MIN, device)
+    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead, -neg_dtensor, attention, step)
     if dist.get_rank() == 0 and path is not None:
         cache.write_text(path, json.dumps(rates.to_json()), "device profile")
     return rates

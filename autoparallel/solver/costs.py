@@ -56,6 +56,8 @@ from tabulate import tabulate
 from ..mesh import DEFAULT_ALPHA, DEFAULT_BETA, MeshSpec
 from ..tracer.annotate import MATMUL_LIKE
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
 
 @dataclass(frozen=True)
 class DevicePreset:
@@ -74,11 +76,20 @@ class DevicePreset:
             and memory traffic (DTensor's dispatch and sharding propagation, then the local
             op's own dispatch): what each op of the optimizer step over the module's DTensor
             parameters pays (:meth:`CostModel.optimizer_step_time`). 0 leaves it out.
+        attention_efficiency: the FLOP/s ``scaled_dot_product_attention`` achieves, forward
+            and backward together, as a fraction of the matmul peak of its dtype (its fused
+            kernels run softmax and masking between the products, below GEMM rates).
+        step_efficiency: what a training step's ops achieve in place, as a fraction of what
+            the roofline of the other rates predicts for them: measured rates come from
+            kernels repeated on warm operands, while in a step each op reads what earlier ops
+            left in memory, allocates its output beside the saved activations, and runs through
+            the autograd engine. :meth:`CostModel.compute_time` divides by it; 1 takes the
+            roofline as it is.
 
     Raises:
         TypeError: a name that is not a string or a rate that is not a number.
-        ValueError: a rate that is not positive and finite, a negative or infinite
-            ``op_overhead`` or ``dtensor_op_overhead``.
+        ValueError: a rate or an efficiency that is not positive and finite, a
+            negative or infinite ``op_overhead`` or ``dtensor_op_overhead``.
     """
 
     name: str
@@ -88,11 +99,13 @@ class DevicePreset:
     memory: float
     op_overhead: float = 0.0
     dtensor_op_overhead: float = 0.0
+    attention_efficiency: float = 1.0
+    step_efficiency: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"DevicePreset: name must be a string, not {self.name!r}")
-        for what in ("flops_fp32", "flops_half", "mem_bw", "memory"):
+        for what in ("flops_fp32", "flops_half", "mem_bw", "memory", "attention_efficiency", "step_efficiency"):
             v = getattr(self, what)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
@@ -115,7 +128,8 @@ class DevicePreset:
         Raises:
             ValueError: not an object with exactly the fields of a preset, or a bad value.
         """
-        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead")
+        names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead",
+                 "attention_efficiency", "step_efficiency")
         if not isinstance(d, dict) or set(d) != set(names):
             raise ValueError(f"a device preset must be an object with the fields {names}, not {d!r}")
         try:
@@ -139,10 +153,20 @@ class DevicePreset:
 # 52 DTensor parameters of GPT-2 (4 x 256) ran 6.6 ms longer than over plain tensors, 16 us more
 # for each of its 416 DTensor ops, on top of a plain op's 2.5-4 us; calibrate_device measured
 # 17-30 us per op (AdamW's eight update ops on one-element DTensors, load 3-4).
+# attention_efficiency: FlashAttention-2 reaches up to 73 % of an A100's peak in the forward and
+# up to 63 % in the backward (Dao, "FlashAttention-2", 2023, §4.1), less at short sequences and
+# small head dims: the GPU presets take 0.5. The cpu preset's 0.4 is what calibrate_device
+# measured on the 2-core test VM (torch 2.13's flash kernel for CPU, fp32: 70-90 GFLOP/s forward
+# and backward at head dims 32-128, against 180 GFLOP/s of GEMM, one thread).
+# step_efficiency: 1 in the presets (datasheet peaks have no measured step to compare with);
+# calibrate_device measures it (0.76-0.82 on the 2-core test VM).
 PRESETS = {
-    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6),
-    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6),
-    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6, dtensor_op_overhead=20e-6),
+    "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6,
+                         attention_efficiency=0.5),
+    "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6,
+                         attention_efficiency=0.5),
+    "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6, dtensor_op_overhead=20e-6,
+                        attention_efficiency=0.4),
 }
 
 
@@ -217,7 +241,8 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 4  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table
+PROFILE_FORMAT = 5  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+#                    5: DevicePreset.attention_efficiency and step_efficiency
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
@@ -751,13 +776,19 @@ class CostModel:
 
     # ------------------------------------------------------------ compute
     def compute_time(self, target, flops: float, nbytes: float, dtype: torch.dtype | None,
-                     requires_grad: bool) -> float:
-        """Forward plus backward seconds of one op on one device: the roofline time plus
-        ``device.op_overhead`` per call, the forward one call and its backward as many as
-        its products (two for a matmul-like op, one otherwise). The overhead adds: a CPU
-        runs each op's dispatch and kernel one after the other in the calling thread; on a
-        GPU a launch overlaps kernels that run longer, so there it over-estimates by up to
-        ``op_overhead`` per call.
+                     requires_grad: bool, grad_calls: int = 1) -> float:
+        """Forward plus backward seconds of one op on one device: the roofline time
+        (Williams, Waterman, Patterson, CACM 2009) plus ``device.op_overhead`` per call.
+
+        The forward is one call. A matmul-like op's backward is two products like it (two
+        calls); ``scaled_dot_product_attention``'s is one call of 2.5 times its forward's work
+        (five products against two: torch's ``sdpa_backward_flop_count``), and its FLOPs run at
+        ``device.attention_efficiency`` times the matmul peak; any other op's backward is
+        ``grad_calls`` calls like its forward (one per input its gradient is computed for). The
+        overhead adds: a CPU runs each op's dispatch and kernel one after the other in the
+        calling thread; on a GPU a launch overlaps kernels that run longer, so there it
+        over-estimates by up to ``op_overhead`` per call. The sum is divided by
+        ``device.step_efficiency``.
 
         Args:
             target: the ATen op.
@@ -765,10 +796,18 @@ class CostModel:
             nbytes: local bytes read and written by the forward.
             dtype: the op's output dtype (picks the FLOP/s peak).
             requires_grad: whether a backward runs.
+            grad_calls: calls of the backward of an op that is neither matmul-like nor SDPA.
         """
-        peak = self.device.flops_half if dtype in (torch.float16, torch.bfloat16) else self.device.flops_fp32
-        fwd = max(flops / peak, nbytes / self.device.mem_bw) + self.device.op_overhead
+        dev = self.device
+        peak = dev.flops_half if dtype in (torch.float16, torch.bfloat16) else dev.flops_fp32
+        if target is _SDPA:
+            peak *= dev.attention_efficiency
+        work = max(flops / peak, nbytes / dev.mem_bw)
+        fwd = work + dev.op_overhead
         if not requires_grad:
-            return fwd
-        bwd = 2 * fwd if target in MATMUL_LIKE else fwd
-        return fwd + bwd
+            total = fwd
+        elif target is _SDPA:
+            total = fwd + 2.5 * work + dev.op_overhead
+        else:
+            total = fwd + (2 if target in MATMUL_LIKE else grad_calls) * fwd
+        return total / dev.step_efficiency

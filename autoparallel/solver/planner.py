@@ -20,7 +20,8 @@ from ..mesh import MeshSpec
 from ..placement import R, Spec, is_replicated, local_shape
 from ..errors import InfeasiblePlanError
 from ..plan import Redistribution, NodePlan, Plan, holds_dtensors, returned_spec
-from ..graph import aliased_input, is_view, layer_of, layers_of, output_leaves, tensor_inputs, written_inputs
+from ..graph import (aliased_input, is_view, layer_of, layers_of, moves_no_data, output_leaves, tensor_inputs,
+                     written_inputs)
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
 from .shared_layers import layer_templates
@@ -35,6 +36,27 @@ from .layout import Redistributor
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
+
+
+def _needs_grad(node: fx.Node) -> bool:
+    return "autoparallel" in node.meta and node_info(node).requires_grad
+
+
+def _grad_calls(node: fx.Node) -> int:
+    """Calls of ``node``'s backward (an op neither matmul-like nor SDPA): one per tensor input
+    its gradient flows to, except that ``add`` hands the gradient to an input of the output's
+    shape as it is."""
+    out = node.meta.get("val")
+    return sum(1 for _, x in tensor_inputs(node) if _needs_grad(x) and not (
+        node.target is aten.add.Tensor and isinstance(out, torch.Tensor) and x.meta["val"].shape == out.shape))
+
+
+def _accumulations(node: fx.Node) -> int:
+    """Additions autograd runs to sum the gradient of ``node``'s output over its uses: one per
+    use beyond the first by an op that passes a gradient back."""
+    uses = sum(1 for u in node.users if u.op == "call_function" and _needs_grad(u)
+               for _, x in tensor_inputs(u) if x is node)
+    return max(0, uses - 1)
 
 
 def _local_bytes(shape, dtype, spec, mesh_shape) -> int:
@@ -184,10 +206,14 @@ class Planner:
             return update, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
-        in_bytes = sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
-                       for (_, x), sp in zip(tensor_inputs(node), s.inputs))
-        compute = self.cm.compute_time(node.target, info.flops / s.split, in_bytes + out_bytes,
-                                       info.dtype if info.outputs else None, info.requires_grad and backward)
+        traffic = 0 if moves_no_data(node) else out_bytes + sum(
+            _local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
+            for (_, x), sp in zip(tensor_inputs(node), s.inputs))
+        dtype = info.dtype if info.outputs else None
+        grads = info.requires_grad and backward
+        compute = self.cm.compute_time(node.target, info.flops / s.split, traffic, dtype, grads, _grad_calls(node))
+        if grads and len(info.outputs) == 1:
+            compute += _accumulations(node) * self.cm.compute_time(aten.add.Tensor, 0, 3 * out_bytes, dtype, False)
         record = record_of(node.target)
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes

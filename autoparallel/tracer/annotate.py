@@ -1,8 +1,9 @@
 """Per-node annotations: output shapes and dtypes, module path, FLOPs, bytes, grad flow.
 
-FLOPs of matmul-like ops (linear, mm, addmm, bmm, matmul, baddbmm, SDPA, convolution)
-come from ``torch.utils.flop_counter.FlopCounterMode`` run on the node's FakeTensor
-inputs; every other op is counted as one FLOP per output element (they are memory bound,
+FLOPs of matmul-like ops (linear, mm, addmm, bmm, matmul, baddbmm, convolution) come from
+``torch.utils.flop_counter.FlopCounterMode`` run on the node's FakeTensor inputs; those of
+``scaled_dot_product_attention`` from torch's ``sdpa_flop_count`` on its shapes (the counter
+has no formula for the CPU flash kernel the op dispatches to there, and counted 0); every other op is counted as one FLOP per output element (they are memory bound,
 and the roofline in :mod:`autoparallel.solver.costs` prices them by bytes).
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..errors import CaptureError
 from ..fqn import get_attr
@@ -79,6 +80,10 @@ def _flops(node: fx.Node, memo: dict) -> float | None:
     """FLOPs of a matmul-like node, counted once per distinct (op, shapes, arguments)."""
     if node.target not in MATMUL_LIKE:
         return None
+    if node.target is aten.scaled_dot_product_attention.default:
+        q, k, v = (tuple(node.args[i].meta["val"].shape) for i in range(3))
+        if len(q) == len(k) == len(v) == 4:  # [B, H, S, D]; a 3-D call goes to the counter
+            return float(sdpa_flop_count(q, k, v))
     key = (node.target, repr(pytree.tree_map_only(
         fx.Node, lambda n: (tuple(n.meta["val"].shape), n.meta["val"].dtype), (node.args, node.kwargs))))
     if key in memo:
