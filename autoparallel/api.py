@@ -32,6 +32,7 @@ from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
 from .passes.fused_parts import rejoin_projection_parts
+from .passes.gqa import fold_repeated_kv
 from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
@@ -677,7 +678,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     or a dict: where its ``get_attr`` nodes read parameters, buffers and constants):
     :func:`apply_plan` (gradient buckets of at most ``bucket_cap_bytes``), per-shard random
     ops, the parts of fused projections rejoined where a device computes them from one whole
-    weight, activation checkpointing, then the forward's collectives scheduled for overlap."""
+    weight, grouped-query attention given to SDPA unrepeated, activation checkpointing, then the forward's collectives scheduled for overlap."""
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
@@ -685,6 +686,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
     rejoin_projection_parts(graph, traced.gm.graph)
+    fold_repeated_kv(graph, traced.gm.graph)
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages
