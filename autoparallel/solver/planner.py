@@ -206,12 +206,15 @@ class Planner:
             return update, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
-        traffic = 0 if moves_no_data(node) else out_bytes + sum(
-            _local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
-            for (_, x), sp in zip(tensor_inputs(node), s.inputs))
+        if moves_no_data(node):
+            flops, traffic = 0.0, 0
+        else:
+            flops = info.flops / s.split
+            traffic = out_bytes + sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
+                                      for (_, x), sp in zip(tensor_inputs(node), s.inputs))
         dtype = info.dtype if info.outputs else None
         grads = info.requires_grad and backward
-        compute = self.cm.compute_time(node.target, info.flops / s.split, traffic, dtype, grads, _grad_calls(node))
+        compute = self.cm.compute_time(node.target, flops, traffic, dtype, grads, _grad_calls(node))
         if grads and len(info.outputs) == 1:
             compute += _accumulations(node) * self.cm.compute_time(aten.add.Tensor, 0, 3 * out_bytes, dtype, False)
         record = record_of(node.target)
