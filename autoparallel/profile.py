@@ -303,6 +303,19 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
         RuntimeError: as torch raises for a device that cannot be used.
     """
     device = torch.device(device)
+    with _rng_kept(device):  # the caller's random streams are the same with or without a cached profile
+        return _calibrate(device, time_budget, ranks_on_host)
+
+
+def _rng_kept(device: torch.device):
+    """A context that restores the CPU's random state (and ``device``'s, if not a CPU) on exit."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+    return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int) -> DevicePreset:
     share = time_budget / (len(_MATMUL_DTYPES) + 1)
     fp32, half = (_matmul_rate(device, dt, share) for dt in _MATMUL_DTYPES)
     if device.type == "cpu":
@@ -403,7 +416,6 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     from .api import plan  # the planner's own estimate of the reference; api imports this module
 
     with torch.device(device):
-        torch.manual_seed(0)
         model, x = _ReferenceBlocks(), torch.randn(4, 128, 512)
     meta = (torch.empty(x.shape, device="meta"),)
     estimate = plan(model, meta, mesh_shape=(1,), cost_model=CostModel(rates), cache_dir=False, baselines=False,

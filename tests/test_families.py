@@ -79,6 +79,6 @@ def test_family_coverage(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_family_parity_cheap_comm(name, sim_mesh):
-    """Communication nearly free, on (2, 2): the plan splits nearly every op."""
+    """Communication nearly free, on (2, 2): the plan splits nearly all of the work (by size)."""
     pmodel = run_parity(name, (2, 2), "cheap-comm", sim_mesh, steps=STEPS)
-    assert split_fraction(pmodel.plan) > 0.85, f"only {split_fraction(pmodel.plan):.0%} of the ops split"
+    assert split_fraction(pmodel.plan) > 0.95, f"only {split_fraction(pmodel.plan):.1%} of the work split"

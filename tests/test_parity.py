@@ -1,6 +1,7 @@
 """Tier 2: parity of the emitted module with one device, every rank simulated in-process."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -78,11 +79,14 @@ def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8):
 
 
 def split_fraction(plan):
-    """The fraction of the plan's ops whose output is split or a pending sum along some mesh
-    axis, i.e. whose work is divided among devices."""
+    """The share of the elements the plan's ops produce (global shapes) that come out of ops
+    whose output is split or a pending sum along some mesh axis, i.e. of the work divided among
+    devices. Weighed by size: where an op on a few elements runs (a position index, a mask's
+    rows: input-independent, a few microseconds either way) is a tie the ILP breaks at will."""
     ops = [n for n in plan.nodes.values() if n.op not in ("placeholder", "get_attr", "output") and n.output_specs]
+    size = {n.name: sum(math.prod(shape) for shape in n.out_shapes) for n in ops}
     split = [n for n in ops if any(isinstance(p, (Shard, Partial)) for spec in n.output_specs for p in spec)]
-    return len(split) / len(ops)
+    return sum(size[n.name] for n in split) / sum(size.values())
 
 
 @pytest.mark.slow
@@ -98,12 +102,12 @@ def test_parity(name, mesh_shape, cost, sim_mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert", "t5"])  # LLaMA's kin: test_families
 def test_parity_cheap_comm(name, sim_mesh):
-    """Communication nearly free, on (2, 2): the plan splits nearly every op (its tail too:
-    logits, loss), not only the batch of the bulk."""
+    """Communication nearly free, on (2, 2): the plan splits nearly all of the work, weighed by
+    size (its tail too: logits, loss), not only the batch of the bulk."""
     if name not in ("mlp", "cnn"):
         pytest.importorskip("transformers")
     pmodel = run_parity(name, (2, 2), "cheap-comm", sim_mesh, steps=3)
-    assert split_fraction(pmodel.plan) > 0.85, f"only {split_fraction(pmodel.plan):.0%} of the ops split"
+    assert split_fraction(pmodel.plan) > 0.95, f"only {split_fraction(pmodel.plan):.1%} of the work split"
 
 
 # batches no mesh axis divides (the short last batch of an epoch): the planner splits other dims,

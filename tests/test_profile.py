@@ -231,10 +231,13 @@ def test_calibration_measures_the_op_overhead_and_efficiencies():
     """calibrate_device times a chain of tiny ops forward and backward: microseconds per call
     on a CPU (2.8 us forward, 4.9 us backward on the 2-core test VM), not zero; SDPA's share of
     the matmul rate (0.5-0.6 there) and a reference step's share of the roofline's prediction
-    (0.76-0.82 there) are measured, not left at 1."""
+    (0.76-0.82 there) are measured, not left at 1. The caller's random state is kept: a run
+    that calibrates draws the same numbers afterwards as one that loads a cached profile."""
     from autoparallel.profile import calibrate_device
 
+    before = torch.get_rng_state()
     rates = calibrate_device("cpu", time_budget=0.2)
+    assert torch.equal(torch.get_rng_state(), before)
     assert 1e-8 < rates.op_overhead < 1e-3, rates
     assert 0.02 < rates.attention_efficiency < 5 and rates.attention_efficiency != 1.0, rates
     assert 0.05 < rates.step_efficiency < 5 and rates.step_efficiency != 1.0, rates
