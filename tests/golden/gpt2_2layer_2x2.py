@@ -60,7 +60,7 @@ def forward(self, mesh_coord, input_ids, labels):
     transformer_wte_weight_1 = autoparallel_runtime_kernels_autograd_param_local(transformer_wte_weight_1_dtensor);  transformer_wte_weight_1_dtensor = None
     view = torch.ops.aten.view.default(input_ids, [8, 16]);  input_ids = None
     # transformer.wte: S1(dp) S0(tp), R R -> S2(dp) P(tp)
-    coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2)
+    coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2);  mesh_coord = None
     mul_8 = torch.ops.aten.mul.Tensor(coord_tp, 64)
     sub_1 = torch.ops.aten.sub.Tensor(view, mul_8);  view = mul_8 = None
     ge = torch.ops.aten.ge.Scalar(sub_1, 0)
@@ -75,7 +75,7 @@ def forward(self, mesh_coord, input_ids, labels):
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
     # transformer.wpe: S1(dp) S0(tp), R R -> S2(dp) P(tp)
     mul_9 = torch.ops.aten.mul.Tensor(coord_tp, 16)
-    sub_2 = torch.ops.aten.sub.Tensor(unsqueeze, mul_9);  mul_9 = None
+    sub_2 = torch.ops.aten.sub.Tensor(unsqueeze, mul_9);  unsqueeze = mul_9 = None
     ge_1 = torch.ops.aten.ge.Scalar(sub_2, 0)
     lt_1 = torch.ops.aten.lt.Scalar(sub_2, 16)
     logical_and_1 = torch.ops.aten.logical_and.default(ge_1, lt_1);  ge_1 = lt_1 = None
@@ -85,69 +85,6 @@ def forward(self, mesh_coord, input_ids, labels):
     embedding_1 = torch.ops.aten.where.ScalarOther(unsqueeze_5, embedding_3, 0.0);  unsqueeze_5 = embedding_3 = None
     to = torch.ops.aten.to.dtype_layout(embedding_1, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  embedding_1 = None
     add_1 = torch.ops.aten.add.Tensor(embedding, to);  embedding = to = None
-    expand = torch.ops.aten.expand.default(unsqueeze, [8, -1])
-    slice_1 = torch.ops.aten.slice.Tensor(expand, 1, 0, 1)
-    sub = torch.ops.aten.sub.Tensor(slice_1, 1);  slice_1 = None
-    diff = torch.ops.aten.diff.default(expand, 1, -1, sub);  expand = sub = None
-    ne = torch.ops.aten.ne.Scalar(diff, 1);  diff = None
-    cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
-    expand_1 = torch.ops.aten.expand.default(unsqueeze, [8, -1]);  unsqueeze = None
-    arange_1 = torch.ops.aten.arange.default(8, device = device(type='cpu'), pin_memory = False)
-    arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_2 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
-    arange_4 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_3 = torch.ops.aten.add.Tensor(arange_4, 0);  arange_4 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
-    unsqueeze_3 = torch.ops.aten.unsqueeze.default(unsqueeze_2, 3);  unsqueeze_2 = None
-    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
-    unsqueeze_8 = torch.ops.aten.unsqueeze.default(unsqueeze_7, 1);  unsqueeze_7 = None
-    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 3);  unsqueeze_8 = None
-    unsqueeze_10 = torch.ops.aten.unsqueeze.default(add_3, 0);  add_3 = None
-    unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None
-    unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None
-    new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)
-    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])
-    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = None
-    # transformer: redistribute index_1 R R -> S0(dp) S0(tp)
-    unflatten = torch.ops.aten.unflatten.int(index_1, 0, [2, 4]);  index_1 = None
-    coord_dp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 0, 1);  mesh_coord = None
-    index_select = torch.ops.aten.index_select.default(unflatten, 0, coord_dp);  unflatten = None
-    squeeze = torch.ops.aten.squeeze.dim(index_select, 0);  index_select = None
-    unflatten_1 = torch.ops.aten.unflatten.int(squeeze, 0, [2, 2]);  squeeze = None
-    index_select_1 = torch.ops.aten.index_select.default(unflatten_1, 0, coord_tp);  unflatten_1 = None
-    index_1_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_1, 0);  index_select_1 = None
-    # transformer: redistribute index R R -> S0(dp) S0(tp)
-    unflatten_2 = torch.ops.aten.unflatten.int(index, 0, [2, 4]);  index = None
-    index_select_2 = torch.ops.aten.index_select.default(unflatten_2, 0, coord_dp);  unflatten_2 = None
-    squeeze_1 = torch.ops.aten.squeeze.dim(index_select_2, 0);  index_select_2 = None
-    unflatten_3 = torch.ops.aten.unflatten.int(squeeze_1, 0, [2, 2]);  squeeze_1 = None
-    index_select_3 = torch.ops.aten.index_select.default(unflatten_3, 0, coord_tp);  unflatten_3 = None
-    index_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_3, 0);  index_select_3 = None
-    le = torch.ops.aten.le.Tensor(index_1_s0dp_s0tp, index_s0dp_s0tp);  index_1_s0dp_s0tp = index_s0dp_s0tp = None
-    to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
-    and_1 = torch.ops.aten.__and__.Tensor(new_ones, to_1);  new_ones = to_1 = None
-    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
-    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = unsqueeze_3 = unsqueeze_12 = None
-    # transformer: redistribute index_2 R R -> S0(dp) S0(tp)
-    unflatten_4 = torch.ops.aten.unflatten.int(index_2, 0, [2, 4]);  index_2 = None
-    index_select_4 = torch.ops.aten.index_select.default(unflatten_4, 0, coord_dp);  unflatten_4 = None
-    squeeze_2 = torch.ops.aten.squeeze.dim(index_select_4, 0);  index_select_4 = None
-    unflatten_5 = torch.ops.aten.unflatten.int(squeeze_2, 0, [2, 2]);  squeeze_2 = None
-    index_select_5 = torch.ops.aten.index_select.default(unflatten_5, 0, coord_tp);  unflatten_5 = None
-    index_2_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_5, 0);  index_select_5 = None
-    # transformer: redistribute index_3 R R -> S0(dp) S0(tp)
-    unflatten_6 = torch.ops.aten.unflatten.int(index_3, 0, [2, 4]);  index_3 = None
-    index_select_6 = torch.ops.aten.index_select.default(unflatten_6, 0, coord_dp);  unflatten_6 = coord_dp = None
-    squeeze_3 = torch.ops.aten.squeeze.dim(index_select_6, 0);  index_select_6 = None
-    unflatten_7 = torch.ops.aten.unflatten.int(squeeze_3, 0, [2, 2]);  squeeze_3 = None
-    index_select_7 = torch.ops.aten.index_select.default(unflatten_7, 0, coord_tp);  unflatten_7 = None
-    index_3_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_7, 0);  index_select_7 = None
-    eq = torch.ops.aten.eq.Tensor(index_2_s0dp_s0tp, index_3_s0dp_s0tp);  index_2_s0dp_s0tp = index_3_s0dp_s0tp = None
-    to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
-    and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
-    # transformer: S0(dp) S0(tp) -> S0(dp) S0(tp)
-    expand_2 = torch.ops.aten.expand.default(and_2, [2, -1, 16, 16]);  and_2 = None
     # transformer.drop: redistribute add_1 S2(dp) P(tp) -> S2(dp) R
     contiguous_1 = torch.ops.aten.contiguous.default(add_1);  add_1 = None
     all_reduce = torch.ops._c10d_functional.all_reduce.default(contiguous_1, 'sum', Group.tp);  contiguous_1 = None
@@ -229,7 +166,7 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_5 = torch.ops.aten.view.default(view_default, [2, 16, 4, 16]);  view_default = None
     transpose_2 = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
-    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose_2, transpose, transpose_1, expand_2, scale = 0.25);  transpose_2 = transpose = transpose_1 = None
+    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose_2, transpose, transpose_1, None, scale = 0.25, is_causal = True);  transpose_2 = transpose = transpose_1 = None
     # transformer.h.0.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     reshape = torch.ops.aten.reshape.default(scaled_dot_product_attention, [2, 4, 16, 16]);  scaled_dot_product_attention = None
     transpose_3 = torch.ops.aten.transpose.int(reshape, 1, 2);  reshape = None
@@ -386,7 +323,7 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_16 = torch.ops.aten.view.default(view_default_3, [2, 16, 4, 16]);  view_default_3 = None
     transpose_6 = torch.ops.aten.transpose.int(view_16, 1, 2);  view_16 = None
-    scaled_dot_product_attention_1 = torch.ops.aten.scaled_dot_product_attention.default(transpose_6, transpose_4, transpose_5, expand_2, scale = 0.25);  transpose_6 = transpose_4 = transpose_5 = expand_2 = None
+    scaled_dot_product_attention_1 = torch.ops.aten.scaled_dot_product_attention.default(transpose_6, transpose_4, transpose_5, None, scale = 0.25, is_causal = True);  transpose_6 = transpose_4 = transpose_5 = None
     # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     reshape_2 = torch.ops.aten.reshape.default(scaled_dot_product_attention_1, [2, 4, 16, 16]);  scaled_dot_product_attention_1 = None
     transpose_7 = torch.ops.aten.transpose.int(reshape_2, 1, 2);  reshape_2 = None
