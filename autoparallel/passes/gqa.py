@@ -56,11 +56,22 @@ def fold_repeated_kv(graph: fx.Graph, traced: fx.Graph) -> int:
     return count
 
 
-def _repeated(node, traced_nodes: dict[str, fx.Node]):
-    """``(x, n, expand, reshape)`` when ``node`` is ``reshape(expand(x, [B, KV, n, S, D]),
-    [B, KV·n, S, D])`` with static sizes, each read only by the next, and the captured expand
-    reads an ``unsqueeze(·, 2)`` (so ``x`` is it, or it redistributed: its dim 2 has size 1);
-    else ``None``."""
+def _repeated_kv_source(node) -> fx.Node | None:
+    """On the captured graph: the ``[B, KV, S, D]`` node that key or value ``node`` repeats per
+    query head (``reshape(expand(unsqueeze(x, 2), [B, KV, n, S, D]), [B, KV·n, S, D])``); else
+    ``None``."""
+    chain = _chain(node)
+    if chain is None:
+        return None
+    unsqueeze = chain[1].args[0]
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default and unsqueeze.args[1] == 2):
+        return None
+    return unsqueeze.args[0]
+
+
+def _chain(node):
+    """``(reshape, expand)`` when ``node`` is ``reshape(expand(·, [B, KV, n, S, D]), [B, KV·n, S, D])``
+    with static sizes, each read only by the next; else ``None``."""
     reshape = node
     if not (isinstance(reshape, fx.Node) and reshape.op == "call_function" and reshape.target in _RESHAPES
             and len(reshape.users) == 1):
@@ -69,17 +80,26 @@ def _repeated(node, traced_nodes: dict[str, fx.Node]):
     if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target is aten.expand.default
             and len(expand.users) == 1):
         return None
-    captured = traced_nodes.get(expand.meta.get("source"))
-    source = captured.args[0] if captured is not None and captured.target is aten.expand.default else None
-    if not (isinstance(source, fx.Node) and source.target is aten.unsqueeze.default and source.args[1] == 2):
-        return None
     sizes, shape = list(expand.args[1]), list(reshape.args[1])
     if len(sizes) != 5 or len(shape) != 4 or not all(type(s) is int and s > 0 for s in sizes + shape):
         return None
     b, kv, n, s, d = sizes
-    if shape != [b, kv * n, s, d]:
+    return (reshape, expand) if shape == [b, kv * n, s, d] else None
+
+
+def _repeated(node, traced_nodes: dict[str, fx.Node]):
+    """``(x, n, expand, reshape)`` when per-device ``node`` is such a repeat of ``x`` (:func:`_chain`)
+    and the captured expand reads an ``unsqueeze(·, 2)`` (so ``x`` is it, or it redistributed: its
+    dim 2 has size 1); else ``None``."""
+    chain = _chain(node)
+    if chain is None:
         return None
-    return expand.args[0], n, expand, reshape
+    reshape, expand = chain
+    captured = traced_nodes.get(expand.meta.get("source"))
+    if captured is None or captured.target is not aten.expand.default or \
+            _repeated_kv_source(next(iter(captured.users))) is None:
+        return None
+    return expand.args[0], expand.args[1][2], expand, reshape
 
 
 def _unrepeated(graph: fx.Graph, expand: fx.Node) -> fx.Node:
