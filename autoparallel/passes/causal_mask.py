@@ -36,8 +36,8 @@ def causal_masks_as_flags(graph: fx.Graph, traced: fx.Graph, plan) -> int:
     gives the placements of each SDPA's operands. Returns how many were rewritten; the caller
     recompiles."""
     index = {n: i for i, n in enumerate(traced.nodes)}
-    causal = {n.name for n in traced.nodes if n.op == "call_function" and n.target is _SDPA
-              and _sequence_whole(plan.nodes.get(n.name)) and _is_causal_mask(_mask_of(n), index)}
+    causal = {n.name for n in traced.nodes if n.op == "call_function" and n.target is _SDPA and n.name in plan.nodes
+              and sequence_whole(plan.nodes[n.name].input_specs) and constant_causal_mask(n, index) is not None}
     count = 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _SDPA and node.meta.get("source") in causal:
@@ -57,27 +57,29 @@ def _mask_of(node: fx.Node):
     return op_args(node).get("attn_mask")
 
 
-def _sequence_whole(node_plan) -> bool:
-    """The plan splits no sequence dim of SDPA's query, key and value on any mesh axis."""
-    if node_plan is None or len(node_plan.input_specs) < 3:
-        return False
-    return not any(isinstance(p, Shard) and p.dim == _SEQUENCE_DIM
-                   for spec in node_plan.input_specs[:3] for p in spec)
+def sequence_whole(input_specs) -> bool:
+    """SDPA's query, key and value (the first three of ``input_specs``) have no sequence dim
+    split on any mesh axis."""
+    return len(input_specs) >= 3 and not any(isinstance(p, Shard) and p.dim == _SEQUENCE_DIM
+                                             for spec in input_specs[:3] for p in spec)
 
 
-def _is_causal_mask(mask, index: dict[fx.Node, int]) -> bool:
-    """Whether ``mask`` (a captured node; ``index``: the captured graph's order) depends on
-    nothing but constants and evaluates to the causal mask of a square ``[S, S]`` for every
-    leading index."""
+def constant_causal_mask(sdpa: fx.Node, index: dict[fx.Node, int]) -> fx.Node | None:
+    """The mask of captured SDPA node ``sdpa`` (``index``: the captured graph's order) when it
+    depends on nothing but constants and evaluates to the causal mask of a square ``[S, S]`` for
+    every leading index; else ``None``."""
+    mask = _mask_of(sdpa)
     value = _constant_value(mask, index) if isinstance(mask, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
-        return False
+        return None
     below = torch.ones(value.shape[-2:], dtype=torch.bool).tril()
     if value.dtype == torch.bool:
-        return bool((value == below).all())
-    if value.dtype.is_floating_point:
-        return bool((value[..., below] == 0).all() and (value[..., ~below] == float("-inf")).all())
-    return False
+        causal = bool((value == below).all())
+    elif value.dtype.is_floating_point:
+        causal = bool((value[..., below] == 0).all() and (value[..., ~below] == float("-inf")).all())
+    else:
+        causal = False
+    return mask if causal else None
 
 
 def _constant_value(node: fx.Node, index: dict[fx.Node, int]):

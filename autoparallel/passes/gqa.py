@@ -56,6 +56,19 @@ def fold_repeated_kv(graph: fx.Graph, traced: fx.Graph) -> int:
     return count
 
 
+def repeated_kv(sdpa: fx.Node) -> dict[fx.Node, int]:
+    """On the captured graph: ``{key: n, value: n}`` when SDPA node ``sdpa`` reads its key and
+    value repeated ``n`` times per query head, which :func:`fold_repeated_kv` gives it
+    unrepeated in the emitted graph (so it keeps ``1/n`` of them for the backward); else empty."""
+    if sdpa.target is not _SDPA or len(sdpa.args) < 3:
+        return {}
+    kv = sdpa.args[1:3]
+    if any(_repeated_kv_source(x) is None for x in kv):
+        return {}
+    n = {x.args[0].args[1][2] for x in kv}
+    return dict.fromkeys(kv, n.pop()) if len(n) == 1 else {}
+
+
 def _repeated_kv_source(node) -> fx.Node | None:
     """On the captured graph: the ``[B, KV, S, D]`` node that key or value ``node`` repeats per
     query head (``reshape(expand(unsqueeze(x, 2), [B, KV, n, S, D]), [B, KV·n, S, D])``); else

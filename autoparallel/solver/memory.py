@@ -62,10 +62,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..graph import alias_source, output_leaves, tensor_inputs
+from ..passes.causal_mask import constant_causal_mask, sequence_whole
+from ..passes.gqa import repeated_kv
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """State tensors kept per trainable parameter by each optimizer (``torch.optim`` defaults)."""
@@ -423,6 +426,9 @@ class MemoryModel:
             if info.requires_grad and info.outputs[i][1].is_floating_point:
                 items.append(Item("temporaries", u, back - end, back - step[u], out_size(u, i)))
         first_saver: dict = {}
+        index = {n: i for i, n in enumerate(gm.graph.nodes)}
+        causal = {n: m for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default
+                  for m in [constant_causal_mask(n, index)] if m is not None}  # run as is_causal where sequences are whole
         for rec in saved:
             key = rec.value if rec.value is not None else id(rec)
             if key not in first_saver or step[rec.saver] < step[first_saver[key].saver]:
@@ -432,6 +438,8 @@ class MemoryModel:
             start, end = step[n], back - step[n]
             if rec.value is None:
                 size = self._internal_size(n, rec.nbytes, rec.shape)
+                if n in causal and rec.shape == node_info(causal[n]).shape:  # the mask SDPA converts
+                    size = lambda s, inner=size: 0 if sequence_whole(s.inputs) else inner(s)
                 items.append(Item("activations", n, start, end, size))
                 if rec.floating and node_info(n).requires_grad:  # its gradient, inside the op's backward
                     items.append(Item("temporaries", n, end, end, size))
@@ -444,9 +452,10 @@ class MemoryModel:
             if rec.input_pos is not None:
                 x = tensor_inputs(n)[rec.input_pos][1]
                 shape, dtype = node_info(x).outputs[0]
-                j = rec.input_pos
+                j, repeats = rec.input_pos, repeated_kv(n).get(x, 1)  # kept unrepeated as emitted
                 items.append(Item("activations", n, start, end,
-                                  lambda s, sh=shape, dt=dtype, j=j: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape),
+                                  lambda s, sh=shape, dt=dtype, j=j, r=repeats:
+                                  _local_bytes(sh, dt, s.inputs[j], self.mesh_shape) // r,
                                   value=u))
             else:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
