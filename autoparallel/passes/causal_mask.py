@@ -13,7 +13,8 @@ graph that depends on no input, parameter or buffer, and where it is exactly the
 above, for every batch and head) and the plan keeps the sequence dims whole on every device,
 rewrites the per-device SDPA to ``is_causal=True`` without the mask; the mask's ops, now unread,
 are removed. The mask being a constant, the check is the proof: nothing the model is given can
-change it.
+change it. Masks (and the tensors they are computed from) of more than 2**24 elements are not
+evaluated and stay as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from ..graph import op_args
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _SEQUENCE_DIM = 2  # of SDPA's [B, H, S, D] operands
+# Largest tensor evaluated to prove a mask causal: planning at LLM scale (a [B, 1, S, S] mask of
+# 8 × 8192²) must not allocate it; such a mask is left as it is.
+_MAX_EVALUATED = 2**24
 
 
 def causal_masks_as_flags(graph: fx.Graph, traced: fx.Graph, plan) -> int:
@@ -84,13 +88,16 @@ def constant_causal_mask(sdpa: fx.Node, index: dict[fx.Node, int]) -> fx.Node | 
 
 def _constant_value(node: fx.Node, index: dict[fx.Node, int]):
     """``node``'s value computed on the CPU when it and everything it reads are ``call_function``
-    nodes without random draws (no input, parameter or buffer), else ``None``."""
+    nodes without random draws (no input, parameter or buffer) and of at most ``_MAX_EVALUATED``
+    elements each, else ``None``."""
     order, stack, seen = [], [node], set()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
-        if n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+        if n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) \
+                or any(t.numel() > _MAX_EVALUATED for t in pytree.tree_leaves(n.meta.get("val"))
+                       if isinstance(t, torch.Tensor)):
             return None
         seen.add(n)
         order.append(n)
