@@ -21,17 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
 
+from ..attention import SDPA as _SDPA
+from ..attention import constant_causal_mask, sequence_whole
 from ..graph import op_args
-
-aten = torch.ops.aten
-_SDPA = aten.scaled_dot_product_attention.default
-_SEQUENCE_DIM = 2  # of SDPA's [B, H, S, D] operands
-# Largest tensor evaluated to prove a mask causal: planning at LLM scale (a [B, 1, S, S] mask of
-# 8 × 8192²) must not allocate it; such a mask is left as it is.
-_MAX_EVALUATED = 2**24
 
 
 def causal_masks_as_flags(graph: fx.Graph, traced: fx.Graph, plan) -> int:
@@ -39,13 +32,12 @@ def causal_masks_as_flags(graph: fx.Graph, traced: fx.Graph, plan) -> int:
     ``meta["source"]``) whose traced mask is a constant causal mask (module docstring); ``plan``
     gives the placements of each SDPA's operands. Returns how many were rewritten; the caller
     recompiles."""
-    index = {n: i for i, n in enumerate(traced.nodes)}
     causal = {n.name for n in traced.nodes if n.op == "call_function" and n.target is _SDPA and n.name in plan.nodes
-              and sequence_whole(plan.nodes[n.name].input_specs) and constant_causal_mask(n, index) is not None}
+              and sequence_whole(plan.nodes[n.name].input_specs) and constant_causal_mask(n) is not None}
     count = 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _SDPA and node.meta.get("source") in causal:
-            mask = _mask_of(node)
+            mask = op_args(node).get("attn_mask")
             args, kwargs = list(node.args), dict(node.kwargs)
             if len(args) > 3:
                 args[3] = None
@@ -55,61 +47,6 @@ def causal_masks_as_flags(graph: fx.Graph, traced: fx.Graph, plan) -> int:
                 _erase_unread(graph, mask)
             count += 1
     return count
-
-
-def _mask_of(node: fx.Node):
-    return op_args(node).get("attn_mask")
-
-
-def sequence_whole(input_specs) -> bool:
-    """SDPA's query, key and value (the first three of ``input_specs``) have no sequence dim
-    split on any mesh axis."""
-    return len(input_specs) >= 3 and not any(isinstance(p, Shard) and p.dim == _SEQUENCE_DIM
-                                             for spec in input_specs[:3] for p in spec)
-
-
-def constant_causal_mask(sdpa: fx.Node, index: dict[fx.Node, int]) -> fx.Node | None:
-    """The mask of captured SDPA node ``sdpa`` (``index``: the captured graph's order) when it
-    depends on nothing but constants and evaluates to the causal mask of a square ``[S, S]`` for
-    every leading index; else ``None``."""
-    mask = _mask_of(sdpa)
-    value = _constant_value(mask, index) if isinstance(mask, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
-        return None
-    below = torch.ones(value.shape[-2:], dtype=torch.bool).tril()
-    if value.dtype == torch.bool:
-        causal = bool((value == below).all())
-    elif value.dtype.is_floating_point:
-        causal = bool((value[..., below] == 0).all() and (value[..., ~below] == float("-inf")).all())
-    else:
-        causal = False
-    return mask if causal else None
-
-
-def _constant_value(node: fx.Node, index: dict[fx.Node, int]):
-    """``node``'s value computed on the CPU when it and everything it reads are ``call_function``
-    nodes without random draws (no input, parameter or buffer) and of at most ``_MAX_EVALUATED``
-    elements each, else ``None``."""
-    order, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        if n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) \
-                or any(t.numel() > _MAX_EVALUATED for t in pytree.tree_leaves(n.meta.get("val"))
-                       if isinstance(t, torch.Tensor)):
-            return None
-        seen.add(n)
-        order.append(n)
-        stack.extend(n.all_input_nodes)
-    env: dict[fx.Node, object] = {}
-    cpu = torch.device("cpu")
-    for n in sorted(order, key=index.__getitem__):
-        args, kwargs = pytree.tree_map(
-            lambda a: env[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a,
-            (n.args, n.kwargs))
-        env[n] = n.target(*args, **kwargs)
-    return env[node]
 
 
 def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:

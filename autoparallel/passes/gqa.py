@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..attention import SDPA as _SDPA
+from ..attention import repeated_kv_source, repeat_chain
 from ..graph import op_args
 
 aten = torch.ops.aten
-_SDPA = aten.scaled_dot_product_attention.default
-_RESHAPES = (aten.reshape.default, aten._unsafe_view.default, aten.view.default)
 
 
 def fold_repeated_kv(graph: fx.Graph, traced: fx.Graph) -> int:
@@ -56,61 +56,17 @@ def fold_repeated_kv(graph: fx.Graph, traced: fx.Graph) -> int:
     return count
 
 
-def repeated_kv(sdpa: fx.Node) -> dict[fx.Node, int]:
-    """On the captured graph: ``{key: n, value: n}`` when SDPA node ``sdpa`` reads its key and
-    value repeated ``n`` times per query head, which :func:`fold_repeated_kv` gives it
-    unrepeated in the emitted graph (so it keeps ``1/n`` of them for the backward); else empty."""
-    if sdpa.target is not _SDPA or len(sdpa.args) < 3:
-        return {}
-    kv = sdpa.args[1:3]
-    if any(_repeated_kv_source(x) is None for x in kv):
-        return {}
-    n = {x.args[0].args[1][2] for x in kv}
-    return dict.fromkeys(kv, n.pop()) if len(n) == 1 else {}
-
-
-def _repeated_kv_source(node) -> fx.Node | None:
-    """On the captured graph: the ``[B, KV, S, D]`` node that key or value ``node`` repeats per
-    query head (``reshape(expand(unsqueeze(x, 2), [B, KV, n, S, D]), [B, KV·n, S, D])``); else
-    ``None``."""
-    chain = _chain(node)
-    if chain is None:
-        return None
-    unsqueeze = chain[1].args[0]
-    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is aten.unsqueeze.default and unsqueeze.args[1] == 2):
-        return None
-    return unsqueeze.args[0]
-
-
-def _chain(node):
-    """``(reshape, expand)`` when ``node`` is ``reshape(expand(·, [B, KV, n, S, D]), [B, KV·n, S, D])``
-    with static sizes, each read only by the next; else ``None``."""
-    reshape = node
-    if not (isinstance(reshape, fx.Node) and reshape.op == "call_function" and reshape.target in _RESHAPES
-            and len(reshape.users) == 1):
-        return None
-    expand = reshape.args[0]
-    if not (isinstance(expand, fx.Node) and expand.op == "call_function" and expand.target is aten.expand.default
-            and len(expand.users) == 1):
-        return None
-    sizes, shape = list(expand.args[1]), list(reshape.args[1])
-    if len(sizes) != 5 or len(shape) != 4 or not all(type(s) is int and s > 0 for s in sizes + shape):
-        return None
-    b, kv, n, s, d = sizes
-    return (reshape, expand) if shape == [b, kv * n, s, d] else None
-
-
 def _repeated(node, traced_nodes: dict[str, fx.Node]):
-    """``(x, n, expand, reshape)`` when per-device ``node`` is such a repeat of ``x`` (:func:`_chain`)
+    """``(x, n, expand, reshape)`` when per-device ``node`` is such a repeat of ``x`` (``attention.repeat_chain``)
     and the captured expand reads an ``unsqueeze(·, 2)`` (so ``x`` is it, or it redistributed: its
     dim 2 has size 1); else ``None``."""
-    chain = _chain(node)
+    chain = repeat_chain(node)
     if chain is None:
         return None
     reshape, expand = chain
     captured = traced_nodes.get(expand.meta.get("source"))
     if captured is None or captured.target is not aten.expand.default or \
-            _repeated_kv_source(next(iter(captured.users))) is None:
+            repeated_kv_source(next(iter(captured.users))) is None:
         return None
     return expand.args[0], expand.args[1][2], expand, reshape
 

@@ -62,13 +62,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..graph import alias_source, output_leaves, tensor_inputs
-from ..passes.causal_mask import constant_causal_mask, sequence_whole
-from ..passes.gqa import repeated_kv
+from ..attention import SDPA, constant_causal_mask, repeated_kv, sequence_whole
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """State tensors kept per trainable parameter by each optimizer (``torch.optim`` defaults)."""
@@ -426,9 +424,8 @@ class MemoryModel:
             if info.requires_grad and info.outputs[i][1].is_floating_point:
                 items.append(Item("temporaries", u, back - end, back - step[u], out_size(u, i)))
         first_saver: dict = {}
-        index = {n: i for i, n in enumerate(gm.graph.nodes)}
-        causal = {n: m for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default
-                  for m in [constant_causal_mask(n, index)] if m is not None}  # run as is_causal where sequences are whole
+        causal = {n: m for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA
+                  for m in [constant_causal_mask(n)] if m is not None}  # run as is_causal where sequences are whole
         for rec in saved:
             key = rec.value if rec.value is not None else id(rec)
             if key not in first_saver or step[rec.saver] < step[first_saver[key].saver]:

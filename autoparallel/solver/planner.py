@@ -134,6 +134,7 @@ class Planner:
         self.aliases = aliases
         self.mesh = mesh
         self.cm = cost_model.bind(mesh)
+        self._traits: dict[fx.Node, tuple[bool, int, int]] = {}  # _op_traits
         self.layout = Redistributor(self.cm)
         # gradient bytes per gathered byte -> its prices, and value -> its prices (:meth:`_layout_for`);
         # shared with restricted() copies, so that no path is priced twice
@@ -206,7 +207,8 @@ class Planner:
             return update, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
-        if moves_no_data(node):
+        free_view, grad_calls, accumulations = self._op_traits(node)
+        if free_view:
             flops, traffic = 0.0, 0
         else:
             flops = info.flops / s.split
@@ -214,12 +216,20 @@ class Planner:
                                       for (_, x), sp in zip(tensor_inputs(node), s.inputs))
         dtype = info.dtype if info.outputs else None
         grads = info.requires_grad and backward
-        compute = self.cm.compute_time(node.target, flops, traffic, dtype, grads, _grad_calls(node))
+        compute = self.cm.compute_time(node.target, flops, traffic, dtype, grads, grad_calls)
         if grads and len(info.outputs) == 1:
-            compute += _accumulations(node) * self.cm.compute_time(aten.add.Tensor, 0, 3 * out_bytes, dtype, False)
+            compute += accumulations * self.cm.compute_time(aten.add.Tensor, 0, 3 * out_bytes, dtype, False)
         record = record_of(node.target)
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
+
+    def _op_traits(self, node: fx.Node) -> tuple[bool, int, int]:
+        """``(moves_no_data, backward calls, accumulation adds)`` of ``node``, the same for
+        every strategy: computed once per node (node_cost runs once per strategy)."""
+        traits = self._traits.get(node)
+        if traits is None:
+            traits = self._traits[node] = (moves_no_data(node), _grad_calls(node), _accumulations(node))
+        return traits
 
     def optimizer_time(self, node: fx.Node, s: Strategy) -> float:
         """Seconds the optimizer step spends on parameter ``node``'s local shard under ``s``
