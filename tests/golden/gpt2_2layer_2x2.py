@@ -61,8 +61,8 @@ def forward(self, mesh_coord, input_ids, labels):
     view = torch.ops.aten.view.default(input_ids, [8, 16]);  input_ids = None
     # transformer.wte: S1(dp) S0(tp), R R -> S2(dp) P(tp)
     coord_tp = torch.ops.aten.slice.Tensor(mesh_coord, 0, 1, 2);  mesh_coord = None
-    mul_8 = torch.ops.aten.mul.Tensor(coord_tp, 64)
-    sub_1 = torch.ops.aten.sub.Tensor(view, mul_8);  view = mul_8 = None
+    mul = torch.ops.aten.mul.Tensor(coord_tp, 64)
+    sub_1 = torch.ops.aten.sub.Tensor(view, mul);  view = mul = None
     ge = torch.ops.aten.ge.Scalar(sub_1, 0)
     lt = torch.ops.aten.lt.Scalar(sub_1, 64)
     logical_and = torch.ops.aten.logical_and.default(ge, lt);  ge = lt = None
@@ -74,8 +74,8 @@ def forward(self, mesh_coord, input_ids, labels):
     add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
     # transformer.wpe: S1(dp) S0(tp), R R -> S2(dp) P(tp)
-    mul_9 = torch.ops.aten.mul.Tensor(coord_tp, 16)
-    sub_2 = torch.ops.aten.sub.Tensor(unsqueeze, mul_9);  unsqueeze = mul_9 = None
+    mul_1 = torch.ops.aten.mul.Tensor(coord_tp, 16)
+    sub_2 = torch.ops.aten.sub.Tensor(unsqueeze, mul_1);  unsqueeze = mul_1 = None
     ge_1 = torch.ops.aten.ge.Scalar(sub_2, 0)
     lt_1 = torch.ops.aten.lt.Scalar(sub_2, 16)
     logical_and_1 = torch.ops.aten.logical_and.default(ge_1, lt_1);  ge_1 = lt_1 = None
@@ -208,70 +208,58 @@ def forward(self, mesh_coord, input_ids, labels):
     transformer_h_0_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_17);  all_gather_into_tensor_17 = None
     transformer_h_0_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_19);  all_gather_into_tensor_19 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_weight S0(dp) S0(tp) -> R R
-    contiguous_17 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
-    all_gather_into_tensor_23 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_17, 2, Group.tp);  contiguous_17 = None
+    contiguous_16 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_weight);  transformer_h_1_ln_1_weight = None
+    all_gather_into_tensor_23 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_16, 2, Group.tp);  contiguous_16 = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(add_4_replicated, [64], transformer_h_0_ln_2_weight_replicated, transformer_h_0_ln_2_bias_replicated, 1e-05, False);  add_4_replicated = transformer_h_0_ln_2_weight_replicated = transformer_h_0_ln_2_bias_replicated = None
     view_8 = torch.ops.aten.view.default(layer_norm_1, [128, 64]);  layer_norm_1 = None
     addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, view_8, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = view_8 = transformer_h_0_mlp_c_fc_weight = None
     # transformer.h.0.mlp.c_fc: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_9 = torch.ops.aten.view.default(addmm_2, [8, 16, 64]);  addmm_2 = None
-    mul = torch.ops.aten.mul.Tensor(view_9, 0.5)
-    pow_1 = torch.ops.aten.pow.Tensor_Scalar(view_9, 3.0)
-    mul_1 = torch.ops.aten.mul.Tensor(pow_1, 0.044715);  pow_1 = None
-    add_5 = torch.ops.aten.add.Tensor(view_9, mul_1);  view_9 = mul_1 = None
-    mul_2 = torch.ops.aten.mul.Tensor(add_5, 0.7978845608028654);  add_5 = None
-    tanh = torch.ops.aten.tanh.default(mul_2);  mul_2 = None
-    add_6 = torch.ops.aten.add.Tensor(tanh, 1.0);  tanh = None
-    mul_3 = torch.ops.aten.mul.Tensor(mul, add_6);  mul = add_6 = None
-    # transformer.h.0.mlp.c_proj: redistribute mul_3 S2(dp) S2(tp) -> S2(dp) R
-    contiguous_13 = torch.ops.aten.contiguous.default(mul_3);  mul_3 = None
+    gelu_default = torch.ops.aten.gelu.default(view_9, approximate = 'tanh');  view_9 = None
+    # transformer.h.0.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
+    view_10 = torch.ops.aten.view.default(gelu_default, [128, 64]);  gelu_default = None
+    # transformer.h.0.mlp.c_proj: redistribute view_10 S1(dp) S1(tp) -> R R
+    contiguous_13 = torch.ops.aten.contiguous.default(view_10);  view_10 = None
     all_gather_into_tensor_20 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_13, 2, Group.tp);  contiguous_13 = None
     wait_tensor_12 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
-    unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_12, 0, [2, 8]);  wait_tensor_12 = None
-    movedim_2 = torch.ops.aten.movedim.int(unflatten_12, 0, 2);  unflatten_12 = None
-    mul_3_s2dp_r = torch.ops.aten.flatten.using_ints(movedim_2, 2, 3);  movedim_2 = None
-    # transformer.h.0.mlp.c_proj: S2(dp) R -> S1(dp) R
-    view_10 = torch.ops.aten.view.default(mul_3_s2dp_r, [128, 128]);  mul_3_s2dp_r = None
-    # transformer.h.0.mlp.c_proj: redistribute view_10 S1(dp) R -> R R
-    contiguous_14 = torch.ops.aten.contiguous.default(view_10);  view_10 = None
-    all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.dp);  contiguous_14 = None
+    all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_12, 2, Group.dp);  wait_tensor_12 = None
     wait_tensor_13 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
-    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_13, 0, [2, 128]);  wait_tensor_13 = None
-    movedim_3 = torch.ops.aten.movedim.int(unflatten_13, 0, 1);  unflatten_13 = None
-    view_10_replicated = torch.ops.aten.flatten.using_ints(movedim_3, 1, 2);  movedim_3 = None
+    unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_13, 0, [4, 128]);  wait_tensor_13 = None
+    movedim_2 = torch.ops.aten.movedim.int(unflatten_12, 0, 1);  unflatten_12 = None
+    view_10_replicated = torch.ops.aten.flatten.using_ints(movedim_2, 1, 2);  movedim_2 = None
     addmm_3 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_proj_bias, view_10_replicated, transformer_h_0_mlp_c_proj_weight);  transformer_h_0_mlp_c_proj_bias = view_10_replicated = transformer_h_0_mlp_c_proj_weight = None
     # transformer.h.0.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_11 = torch.ops.aten.view.default(addmm_3, [8, 16, 16]);  addmm_3 = None
     dropout_2 = torch.ops.aten.dropout.default(view_11, 0.0, True);  view_11 = None
     add_7 = torch.ops.aten.add.Tensor(add_4, dropout_2);  add_4 = dropout_2 = None
     # transformer.h.1.ln_1: redistribute add_7 S2(dp) S2(tp) -> S0(dp) S0(tp)
-    contiguous_15 = torch.ops.aten.contiguous.default(add_7)
-    all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_15, 2, Group.tp);  contiguous_15 = None
+    contiguous_14 = torch.ops.aten.contiguous.default(add_7)
+    all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.tp);  contiguous_14 = None
     wait_tensor_14 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
-    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [2, 8]);  wait_tensor_14 = None
-    movedim_4 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
-    flatten_1 = torch.ops.aten.flatten.using_ints(movedim_4, 2, 3);  movedim_4 = None
-    contiguous_16 = torch.ops.aten.contiguous.default(flatten_1);  flatten_1 = None
-    all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_16, [4, 4], [4, 4], Group.dp);  contiguous_16 = None
+    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [2, 8]);  wait_tensor_14 = None
+    movedim_3 = torch.ops.aten.movedim.int(unflatten_13, 0, 2);  unflatten_13 = None
+    flatten_1 = torch.ops.aten.flatten.using_ints(movedim_3, 2, 3);  movedim_3 = None
+    contiguous_15 = torch.ops.aten.contiguous.default(flatten_1);  flatten_1 = None
+    all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_15, [4, 4], [4, 4], Group.dp);  contiguous_15 = None
     wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
-    unflatten_15 = torch.ops.aten.unflatten.int(wait_tensor_15, 0, [2, 4]);  wait_tensor_15 = None
-    movedim_5 = torch.ops.aten.movedim.int(unflatten_15, 0, 2);  unflatten_15 = None
-    flatten_2 = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
-    unflatten_16 = torch.ops.aten.unflatten.int(flatten_2, 0, [2, 2]);  flatten_2 = None
-    index_select_10 = torch.ops.aten.index_select.default(unflatten_16, 0, coord_tp);  unflatten_16 = coord_tp = None
+    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_15, 0, [2, 4]);  wait_tensor_15 = None
+    movedim_4 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
+    flatten_2 = torch.ops.aten.flatten.using_ints(movedim_4, 2, 3);  movedim_4 = None
+    unflatten_15 = torch.ops.aten.unflatten.int(flatten_2, 0, [2, 2]);  flatten_2 = None
+    index_select_10 = torch.ops.aten.index_select.default(unflatten_15, 0, coord_tp);  unflatten_15 = coord_tp = None
     add_7_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
     wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_23);  all_gather_into_tensor_23 = None
     all_gather_into_tensor_24 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_16, 2, Group.dp);  wait_tensor_16 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_bias S0(dp) S0(tp) -> R R
-    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
-    all_gather_into_tensor_25 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
+    contiguous_17 = torch.ops.aten.contiguous.default(transformer_h_1_ln_1_bias);  transformer_h_1_ln_1_bias = None
+    all_gather_into_tensor_25 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_17, 2, Group.tp);  contiguous_17 = None
     wait_tensor_17 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_25);  all_gather_into_tensor_25 = None
     all_gather_into_tensor_26 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_17, 2, Group.dp);  wait_tensor_17 = None
     transformer_h_1_ln_1_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_24);  all_gather_into_tensor_24 = None
     transformer_h_1_ln_1_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_26);  all_gather_into_tensor_26 = None
     # transformer.h.1.attn.c_attn: redistribute transformer_h_1_attn_c_attn_bias S0(dp) S0(tp) -> R R
-    contiguous_19 = torch.ops.aten.contiguous.default(transformer_h_1_attn_c_attn_bias);  transformer_h_1_attn_c_attn_bias = None
-    all_gather_into_tensor_27 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
+    contiguous_18 = torch.ops.aten.contiguous.default(transformer_h_1_attn_c_attn_bias);  transformer_h_1_attn_c_attn_bias = None
+    all_gather_into_tensor_27 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_18, 2, Group.tp);  contiguous_18 = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7_s0dp_s0tp, [64], transformer_h_1_ln_1_weight_replicated, transformer_h_1_ln_1_bias_replicated, 1e-05, False);  add_7_s0dp_s0tp = transformer_h_1_ln_1_weight_replicated = transformer_h_1_ln_1_bias_replicated = None
     # transformer.h.1.attn.c_attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_12 = torch.ops.aten.view.default(layer_norm_2, [32, 64]);  layer_norm_2 = None
@@ -280,16 +268,16 @@ def forward(self, mesh_coord, input_ids, labels):
     transformer_h_1_attn_c_attn_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_28);  all_gather_into_tensor_28 = None
     slice_tensor_7 = torch.ops.aten.slice.Tensor(transformer_h_1_attn_c_attn_weight, 1, 0, 64)
     # transformer.h.1.attn.c_attn: redistribute slice_tensor_7 S0(dp) S0(tp) -> R R
-    contiguous_20 = torch.ops.aten.contiguous.default(slice_tensor_7);  slice_tensor_7 = None
-    all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_20, 2, Group.tp);  contiguous_20 = None
+    contiguous_19 = torch.ops.aten.contiguous.default(slice_tensor_7);  slice_tensor_7 = None
+    all_gather_into_tensor_29 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_19, 2, Group.tp);  contiguous_19 = None
     slice_tensor_6 = torch.ops.aten.slice.Tensor(transformer_h_1_attn_c_attn_bias_replicated, 0, 0, 64)
     wait_tensor_19 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_29);  all_gather_into_tensor_29 = None
     all_gather_into_tensor_30 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_19, 2, Group.dp);  wait_tensor_19 = None
     slice_tensor_7_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_30);  all_gather_into_tensor_30 = None
     slice_tensor_9 = torch.ops.aten.slice.Tensor(transformer_h_1_attn_c_attn_weight, 1, 64, 128)
     # transformer.h.1.attn.c_attn: redistribute slice_tensor_9 S0(dp) S0(tp) -> R R
-    contiguous_21 = torch.ops.aten.contiguous.default(slice_tensor_9);  slice_tensor_9 = None
-    all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_21, 2, Group.tp);  contiguous_21 = None
+    contiguous_20 = torch.ops.aten.contiguous.default(slice_tensor_9);  slice_tensor_9 = None
+    all_gather_into_tensor_31 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_20, 2, Group.tp);  contiguous_20 = None
     addmm_default_3 = torch.ops.aten.addmm.default(slice_tensor_6, view_12, slice_tensor_7_replicated);  slice_tensor_6 = slice_tensor_7_replicated = None
     # transformer.h.1.attn.c_attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_default_3 = torch.ops.aten.view.default(addmm_default_3, [2, 16, 64]);  addmm_default_3 = None
@@ -299,8 +287,8 @@ def forward(self, mesh_coord, input_ids, labels):
     slice_tensor_9_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_32);  all_gather_into_tensor_32 = None
     slice_tensor_11 = torch.ops.aten.slice.Tensor(transformer_h_1_attn_c_attn_weight, 1, 128, 192);  transformer_h_1_attn_c_attn_weight = None
     # transformer.h.1.attn.c_attn: redistribute slice_tensor_11 S0(dp) S0(tp) -> R R
-    contiguous_22 = torch.ops.aten.contiguous.default(slice_tensor_11);  slice_tensor_11 = None
-    all_gather_into_tensor_33 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_22, 2, Group.tp);  contiguous_22 = None
+    contiguous_21 = torch.ops.aten.contiguous.default(slice_tensor_11);  slice_tensor_11 = None
+    all_gather_into_tensor_33 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_21, 2, Group.tp);  contiguous_21 = None
     addmm_default_4 = torch.ops.aten.addmm.default(slice_tensor_8, view_12, slice_tensor_9_replicated);  slice_tensor_8 = slice_tensor_9_replicated = None
     # transformer.h.1.attn.c_attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     view_default_4 = torch.ops.aten.view.default(addmm_default_4, [2, 16, 64]);  addmm_default_4 = None
@@ -329,14 +317,17 @@ def forward(self, mesh_coord, input_ids, labels):
     transpose_7 = torch.ops.aten.transpose.int(reshape_2, 1, 2);  reshape_2 = None
     # transformer.h.1.attn: S0(dp) S0(tp) -> S0(dp) S0(tp)
     reshape_3 = torch.ops.aten.reshape.default(transpose_7, [2, 16, 64]);  transpose_7 = None
-    # transformer.h.1.attn.c_proj: redistribute reshape_3 S0(dp) S0(tp) -> R R
-    contiguous_23 = torch.ops.aten.contiguous.default(reshape_3);  reshape_3 = None
-    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.tp);  contiguous_23 = None
-    wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
-    all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
-    reshape_3_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
-    view_17 = torch.ops.aten.view.default(reshape_3_replicated, [128, 64]);  reshape_3_replicated = None
-    addmm_5 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_proj_bias, view_17, transformer_h_1_attn_c_proj_weight);  transformer_h_1_attn_c_proj_bias = view_17 = transformer_h_1_attn_c_proj_weight = None
+    # transformer.h.1.attn.c_proj: redistribute reshape_3 S0(dp) S0(tp) -> S0(dp) R
+    contiguous_22 = torch.ops.aten.contiguous.default(reshape_3);  reshape_3 = None
+    all_gather_into_tensor_35 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_22, 2, Group.tp);  contiguous_22 = None
+    reshape_3_s0dp_r = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_35);  all_gather_into_tensor_35 = None
+    # transformer.h.1.attn.c_proj: S0(dp) R -> S0(dp) R
+    view_17 = torch.ops.aten.view.default(reshape_3_s0dp_r, [64, 64]);  reshape_3_s0dp_r = None
+    # transformer.h.1.attn.c_proj: redistribute view_17 S0(dp) R -> R R
+    contiguous_23 = torch.ops.aten.contiguous.default(view_17);  view_17 = None
+    all_gather_into_tensor_36 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_23, 2, Group.dp);  contiguous_23 = None
+    view_17_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_36);  all_gather_into_tensor_36 = None
+    addmm_5 = torch.ops.aten.addmm.default(transformer_h_1_attn_c_proj_bias, view_17_replicated, transformer_h_1_attn_c_proj_weight);  transformer_h_1_attn_c_proj_bias = view_17_replicated = transformer_h_1_attn_c_proj_weight = None
     # transformer.h.1.attn.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_18 = torch.ops.aten.view.default(addmm_5, [8, 16, 16]);  addmm_5 = None
     dropout_3 = torch.ops.aten.dropout.default(view_18, 0.0, True);  view_18 = None
@@ -344,19 +335,19 @@ def forward(self, mesh_coord, input_ids, labels):
     # transformer.h.1.ln_2: redistribute add_8 S2(dp) S2(tp) -> R R
     contiguous_24 = torch.ops.aten.contiguous.default(add_8)
     all_gather_into_tensor_37 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_24, 2, Group.tp);  contiguous_24 = None
-    wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
-    all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_23, 2, Group.dp);  wait_tensor_23 = None
-    wait_tensor_24 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
-    unflatten_17 = torch.ops.aten.unflatten.int(wait_tensor_24, 0, [4, 8]);  wait_tensor_24 = None
-    movedim_6 = torch.ops.aten.movedim.int(unflatten_17, 0, 2);  unflatten_17 = None
-    add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_6, 2, 3);  movedim_6 = None
-    wait_tensor_25 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
-    all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_25, 2, Group.dp);  wait_tensor_25 = None
+    wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
+    all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
+    wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
+    unflatten_16 = torch.ops.aten.unflatten.int(wait_tensor_23, 0, [4, 8]);  wait_tensor_23 = None
+    movedim_5 = torch.ops.aten.movedim.int(unflatten_16, 0, 2);  unflatten_16 = None
+    add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
+    wait_tensor_24 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
+    all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_24, 2, Group.dp);  wait_tensor_24 = None
     # transformer.h.1.ln_2: redistribute transformer_h_1_ln_2_bias S0(dp) S0(tp) -> R R
     contiguous_26 = torch.ops.aten.contiguous.default(transformer_h_1_ln_2_bias);  transformer_h_1_ln_2_bias = None
     all_gather_into_tensor_41 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_26, 2, Group.tp);  contiguous_26 = None
-    wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_41);  all_gather_into_tensor_41 = None
-    all_gather_into_tensor_42 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_26, 2, Group.dp);  wait_tensor_26 = None
+    wait_tensor_25 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_41);  all_gather_into_tensor_41 = None
+    all_gather_into_tensor_42 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_25, 2, Group.dp);  wait_tensor_25 = None
     transformer_h_1_ln_2_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_40);  all_gather_into_tensor_40 = None
     transformer_h_1_ln_2_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_42);  all_gather_into_tensor_42 = None
     # transformer.ln_f: redistribute transformer_ln_f_weight S0(dp) S0(tp) -> R R
@@ -367,87 +358,75 @@ def forward(self, mesh_coord, input_ids, labels):
     addmm_6 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_fc_bias, view_19, transformer_h_1_mlp_c_fc_weight);  transformer_h_1_mlp_c_fc_bias = view_19 = transformer_h_1_mlp_c_fc_weight = None
     # transformer.h.1.mlp.c_fc: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_20 = torch.ops.aten.view.default(addmm_6, [8, 16, 64]);  addmm_6 = None
-    mul_4 = torch.ops.aten.mul.Tensor(view_20, 0.5)
-    pow_2 = torch.ops.aten.pow.Tensor_Scalar(view_20, 3.0)
-    mul_5 = torch.ops.aten.mul.Tensor(pow_2, 0.044715);  pow_2 = None
-    add_9 = torch.ops.aten.add.Tensor(view_20, mul_5);  view_20 = mul_5 = None
-    mul_6 = torch.ops.aten.mul.Tensor(add_9, 0.7978845608028654);  add_9 = None
-    tanh_1 = torch.ops.aten.tanh.default(mul_6);  mul_6 = None
-    add_10 = torch.ops.aten.add.Tensor(tanh_1, 1.0);  tanh_1 = None
-    mul_7 = torch.ops.aten.mul.Tensor(mul_4, add_10);  mul_4 = add_10 = None
-    # transformer.h.1.mlp.c_proj: redistribute mul_7 S2(dp) S2(tp) -> R R
-    contiguous_27 = torch.ops.aten.contiguous.default(mul_7);  mul_7 = None
+    gelu_default_1 = torch.ops.aten.gelu.default(view_20, approximate = 'tanh');  view_20 = None
+    # transformer.h.1.mlp.c_proj: S2(dp) S2(tp) -> S1(dp) S1(tp)
+    view_21 = torch.ops.aten.view.default(gelu_default_1, [128, 64]);  gelu_default_1 = None
+    # transformer.h.1.mlp.c_proj: redistribute view_21 S1(dp) S1(tp) -> R R
+    contiguous_27 = torch.ops.aten.contiguous.default(view_21);  view_21 = None
     all_gather_into_tensor_43 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_27, 2, Group.tp);  contiguous_27 = None
-    wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_43);  all_gather_into_tensor_43 = None
-    all_gather_into_tensor_44 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_27, 2, Group.dp);  wait_tensor_27 = None
-    wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_44);  all_gather_into_tensor_44 = None
-    unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_28, 0, [4, 8]);  wait_tensor_28 = None
-    movedim_7 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
-    mul_7_replicated = torch.ops.aten.flatten.using_ints(movedim_7, 2, 3);  movedim_7 = None
-    view_21 = torch.ops.aten.view.default(mul_7_replicated, [128, 256]);  mul_7_replicated = None
-    addmm_7 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_proj_bias, view_21, transformer_h_1_mlp_c_proj_weight);  transformer_h_1_mlp_c_proj_bias = view_21 = transformer_h_1_mlp_c_proj_weight = None
+    wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_43);  all_gather_into_tensor_43 = None
+    all_gather_into_tensor_44 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_26, 2, Group.dp);  wait_tensor_26 = None
+    wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_44);  all_gather_into_tensor_44 = None
+    unflatten_17 = torch.ops.aten.unflatten.int(wait_tensor_27, 0, [4, 128]);  wait_tensor_27 = None
+    movedim_6 = torch.ops.aten.movedim.int(unflatten_17, 0, 1);  unflatten_17 = None
+    view_21_replicated = torch.ops.aten.flatten.using_ints(movedim_6, 1, 2);  movedim_6 = None
+    addmm_7 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_proj_bias, view_21_replicated, transformer_h_1_mlp_c_proj_weight);  transformer_h_1_mlp_c_proj_bias = view_21_replicated = transformer_h_1_mlp_c_proj_weight = None
     # transformer.h.1.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
     view_22 = torch.ops.aten.view.default(addmm_7, [8, 16, 16]);  addmm_7 = None
     dropout_4 = torch.ops.aten.dropout.default(view_22, 0.0, True);  view_22 = None
     add_11 = torch.ops.aten.add.Tensor(add_8, dropout_4);  add_8 = dropout_4 = None
-    # transformer.ln_f: redistribute add_11 S2(dp) S2(tp) -> S1(dp) R
+    # transformer.ln_f: redistribute add_11 S2(dp) S2(tp) -> S0(dp) R
     contiguous_28 = torch.ops.aten.contiguous.default(add_11);  add_11 = None
     all_gather_into_tensor_45 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_28, 2, Group.tp);  contiguous_28 = None
-    wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_45);  all_gather_into_tensor_45 = None
-    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_29, 0, [2, 8]);  wait_tensor_29 = None
+    wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_45);  all_gather_into_tensor_45 = None
+    unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_28, 0, [2, 8]);  wait_tensor_28 = None
+    movedim_7 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
+    flatten_3 = torch.ops.aten.flatten.using_ints(movedim_7, 2, 3);  movedim_7 = None
+    contiguous_29 = torch.ops.aten.contiguous.default(flatten_3);  flatten_3 = None
+    all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_29, [4, 4], [4, 4], Group.dp);  contiguous_29 = None
+    wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
+    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_29, 0, [2, 4]);  wait_tensor_29 = None
     movedim_8 = torch.ops.aten.movedim.int(unflatten_19, 0, 2);  unflatten_19 = None
-    flatten_3 = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
-    unflatten_20 = torch.ops.aten.unflatten.int(flatten_3, 1, [2, 8]);  flatten_3 = None
-    movedim_9 = torch.ops.aten.movedim.int(unflatten_20, 1, 0);  unflatten_20 = None
-    contiguous_29 = torch.ops.aten.contiguous.default(movedim_9);  movedim_9 = None
-    flatten_4 = torch.ops.aten.flatten.using_ints(contiguous_29, 0, 1);  contiguous_29 = None
-    all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(flatten_4, [8, 8], [8, 8], Group.dp);  flatten_4 = None
-    wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
-    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_30, 0, [2, 8]);  wait_tensor_30 = None
-    movedim_10 = torch.ops.aten.movedim.int(unflatten_21, 0, 2);  unflatten_21 = None
-    add_11_s1dp_r = torch.ops.aten.flatten.using_ints(movedim_10, 2, 3);  movedim_10 = None
-    wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_46);  all_gather_into_tensor_46 = None
-    all_gather_into_tensor_47 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_31, 2, Group.dp);  wait_tensor_31 = None
+    add_11_s0dp_r = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
+    wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_46);  all_gather_into_tensor_46 = None
+    all_gather_into_tensor_47 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.dp);  wait_tensor_30 = None
     # transformer.ln_f: redistribute transformer_ln_f_bias S0(dp) S0(tp) -> R R
     contiguous_31 = torch.ops.aten.contiguous.default(transformer_ln_f_bias);  transformer_ln_f_bias = None
     all_gather_into_tensor_48 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_31, 2, Group.tp);  contiguous_31 = None
-    wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_48);  all_gather_into_tensor_48 = None
-    all_gather_into_tensor_49 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_32, 2, Group.dp);  wait_tensor_32 = None
+    wait_tensor_31 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_48);  all_gather_into_tensor_48 = None
+    all_gather_into_tensor_49 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_31, 2, Group.dp);  wait_tensor_31 = None
     transformer_ln_f_weight_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_47);  all_gather_into_tensor_47 = None
     transformer_ln_f_bias_replicated = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_49);  all_gather_into_tensor_49 = None
     # lm_head: redistribute transformer_wte_weight_1 S1(dp) S0(tp) -> R S0(tp)
     contiguous_32 = torch.ops.aten.contiguous.default(transformer_wte_weight_1);  transformer_wte_weight_1 = None
     all_gather_into_tensor_50 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_32, 2, Group.dp);  contiguous_32 = None
-    layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s1dp_r, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s1dp_r = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
-    # transformer: S1(dp) R -> S1(dp) R
-    view_23 = torch.ops.aten.view.default(layer_norm_4, [8, 8, 64]);  layer_norm_4 = None
+    layer_norm_4 = torch.ops.aten.layer_norm.default(add_11_s0dp_r, [64], transformer_ln_f_weight_replicated, transformer_ln_f_bias_replicated, 1e-05, False);  add_11_s0dp_r = transformer_ln_f_weight_replicated = transformer_ln_f_bias_replicated = None
+    # transformer: S0(dp) R -> S0(dp) R
+    view_23 = torch.ops.aten.view.default(layer_norm_4, [4, 16, 64]);  layer_norm_4 = None
     alias = torch.ops.aten.alias.default(view_23);  view_23 = None
-    wait_tensor_33 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_50);  all_gather_into_tensor_50 = None
-    unflatten_22 = torch.ops.aten.unflatten.int(wait_tensor_33, 0, [2, 64]);  wait_tensor_33 = None
-    movedim_11 = torch.ops.aten.movedim.int(unflatten_22, 0, 1);  unflatten_22 = None
-    transformer_wte_weight_1_r_s0tp = torch.ops.aten.flatten.using_ints(movedim_11, 1, 2);  movedim_11 = None
+    wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_50);  all_gather_into_tensor_50 = None
+    unflatten_20 = torch.ops.aten.unflatten.int(wait_tensor_32, 0, [2, 64]);  wait_tensor_32 = None
+    movedim_9 = torch.ops.aten.movedim.int(unflatten_20, 0, 1);  unflatten_20 = None
+    transformer_wte_weight_1_r_s0tp = torch.ops.aten.flatten.using_ints(movedim_9, 1, 2);  movedim_9 = None
     linear = torch.ops.aten.linear.default(alias, transformer_wte_weight_1_r_s0tp);  alias = transformer_wte_weight_1_r_s0tp = None
     to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
-    # redistribute to_3 S1(dp) S2(tp) -> R R
-    contiguous_33 = torch.ops.aten.contiguous.default(to_3)
-    all_gather_into_tensor_51 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_33, 2, Group.dp);  contiguous_33 = None
-    wait_tensor_34 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_51);  all_gather_into_tensor_51 = None
-    unflatten_23 = torch.ops.aten.unflatten.int(wait_tensor_34, 0, [2, 8]);  wait_tensor_34 = None
-    movedim_12 = torch.ops.aten.movedim.int(unflatten_23, 0, 1);  unflatten_23 = None
-    flatten_5 = torch.ops.aten.flatten.using_ints(movedim_12, 1, 2);  movedim_12 = None
-    contiguous_34 = torch.ops.aten.contiguous.default(flatten_5);  flatten_5 = None
-    all_gather_into_tensor_52 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_34, 2, Group.tp);  contiguous_34 = None
-    wait_tensor_35 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_52);  all_gather_into_tensor_52 = None
-    unflatten_24 = torch.ops.aten.unflatten.int(wait_tensor_35, 0, [2, 8]);  wait_tensor_35 = None
-    movedim_13 = torch.ops.aten.movedim.int(unflatten_24, 0, 2);  unflatten_24 = None
-    to_3_replicated = torch.ops.aten.flatten.using_ints(movedim_13, 2, 3);  movedim_13 = None
-    view_24 = torch.ops.aten.view.default(to_3_replicated, [128, 128]);  to_3_replicated = None
+    # S0(dp) S2(tp) -> S0(dp) S1(tp)
+    view_24 = torch.ops.aten.view.default(to_3, [64, 64])
     view_25 = torch.ops.aten.view.default(contiguous, [128]);  contiguous = None
     to_4 = torch.ops.aten.to.dtype_layout(view_25, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_25 = None
-    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24, to_4);  view_24 = to_4 = None
+    # redistribute view_24 S0(dp) S1(tp) -> R R
+    contiguous_33 = torch.ops.aten.contiguous.default(view_24);  view_24 = None
+    all_gather_into_tensor_51 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_33, 2, Group.dp);  contiguous_33 = None
+    wait_tensor_33 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_51);  all_gather_into_tensor_51 = None
+    all_gather_into_tensor_52 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_33, 2, Group.tp);  wait_tensor_33 = None
+    wait_tensor_34 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_52);  all_gather_into_tensor_52 = None
+    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_34, 0, [2, 128]);  wait_tensor_34 = None
+    movedim_10 = torch.ops.aten.movedim.int(unflatten_21, 0, 1);  unflatten_21 = None
+    view_24_replicated = torch.ops.aten.flatten.using_ints(movedim_10, 1, 2);  movedim_10 = None
+    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24_replicated, to_4);  view_24_replicated = to_4 = None
     returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
     returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3, 1);  to_3 = None
     return (returned, returned_1)
