@@ -35,6 +35,7 @@ from .autocast import Autocast, materialize_autocast
 from .casts import half_inputs, half_skeleton, restore_master
 from .decompose import decompose_composites
 from .gelu import fuse_gelu
+from .rotary import roll_rotate_half
 from .fused import split_fused_projections
 from .mutations import functionalize_state
 from .stamp import find_layer_list, stamp, truncated
@@ -298,6 +299,7 @@ class ColoTracer:
         materialize_autocast(graph, self.autocast)
         decompose_composites(graph)
         fuse_gelu(graph)
+        roll_rotate_half(graph)
         split_fused_projections(graph)  # before stamping: stamped layers copy the rewritten traced one
         buffer_mutations = _state_updates(graph, sig, state, lambda t: seen.get(by_name.get(t), t))
         graph.eliminate_dead_code()
