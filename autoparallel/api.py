@@ -33,6 +33,7 @@ from .passes.checkpoint import apply_checkpointing
 from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
 from .passes.fused_parts import rejoin_projection_parts
 from .passes.causal_mask import causal_masks_as_flags
+from .passes.cross_entropy import fuse_cross_entropy
 from .passes.gqa import fold_repeated_kv
 from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
@@ -680,7 +681,8 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     :func:`apply_plan` (gradient buckets of at most ``bucket_cap_bytes``), per-shard random
     ops, the parts of fused projections rejoined where a device computes them from one whole
     weight, grouped-query attention given to SDPA unrepeated, constant causal masks as
-    ``is_causal``, activation checkpointing, then the forward's collectives scheduled for overlap."""
+    ``is_causal``, cross-entropies over whole classes with a one-pass backward, activation
+    checkpointing, then the forward's collectives scheduled for overlap."""
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
@@ -690,6 +692,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     rejoin_projection_parts(graph, traced.gm.graph)
     fold_repeated_kv(graph, traced.gm.graph)
     causal_masks_as_flags(graph, traced.gm.graph, plan)
+    fuse_cross_entropy(graph, traced.gm.graph)
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages

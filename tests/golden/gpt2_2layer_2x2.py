@@ -426,7 +426,7 @@ def forward(self, mesh_coord, input_ids, labels):
     unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_34, 0, [2, 128]);  wait_tensor_34 = None
     movedim_10 = torch.ops.aten.movedim.int(unflatten_21, 0, 1);  unflatten_21 = None
     view_24_replicated = torch.ops.aten.flatten.using_ints(movedim_10, 1, 2);  movedim_10 = None
-    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_24_replicated, to_4);  view_24_replicated = to_4 = None
+    cross_entropy_loss = autoparallel_runtime_kernels_cross_entropy_cross_entropy_loss(view_24_replicated, to_4, 1, -100);  view_24_replicated = to_4 = None
     returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
     returned_1 = autoparallel_runtime_kernels_autograd_returned(to_3, 1);  to_3 = None
     return (returned, returned_1)
