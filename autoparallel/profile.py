@@ -468,8 +468,9 @@ def _memory_rate(device: torch.device, budget: float, ranks_on_host: int) -> flo
 
 def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> DevicePreset:
     """The device's rates: cached per device kind (device type and names, torch version, CPU
-    threads, ranks per host), else measured on every rank at once (as training runs) and
-    reduced to the slowest rank's."""
+    threads, ranks per host), else measured on every rank at once (as training runs): the
+    rates of the rank whose training step is slowest (:func:`_slowest_rank`), and the least
+    memory of any rank."""
     kind = {"device_type": identity["device_type"], "device_name": identity["device_name"],
             "torch": identity["torch"], "threads": torch.get_num_threads(), "ranks_on_host": _ranks_on_host(identity),
             "format": PROFILE_FORMAT}
@@ -479,13 +480,29 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
     if text is not None:
         return _device_from_json(text)
     mine = calibrate_device(device, time_budget=budget, ranks_on_host=kind["ranks_on_host"])
-    fp32, half, bw, mem, neg_overhead, neg_dtensor, attention, step = _agree(
-        [mine.flops_fp32, mine.flops_half, mine.mem_bw, mine.memory, -mine.op_overhead, -mine.dtensor_op_overhead,
-         mine.attention_efficiency, mine.step_efficiency], dist.ReduceOp.MIN, device)
-    rates = DevicePreset(mine.name, fp32, half, bw, mem, -neg_overhead, -neg_dtensor, attention, step)
+    memory = _agree([mine.memory], dist.ReduceOp.MIN, device)[0]
+    rates = dataclasses.replace(_slowest_rank(mine, device), memory=memory)
     if dist.get_rank() == 0 and path is not None:
         cache.write_text(path, json.dumps(rates.to_json()), "device profile")
     return rates
+
+
+def _slowest_rank(mine: DevicePreset, device: torch.device) -> DevicePreset:
+    """The calibration of the rank whose training step runs slowest: the least matmul rate
+    times step efficiency (the reference step's achieved rate), every rate of that one rank.
+
+    The efficiencies are ratios to the same rank's own rates, measured moments apart; where
+    ranks share cores (4 ranks on 2) what a rank measures depends on what the others run at
+    that moment, so the least rate of one rank and the least efficiency of another are not
+    one machine: taking each least on its own priced this VM's 4-rank steps 1.3x too slow."""
+    fields = ("flops_fp32", "flops_half", "mem_bw", "op_overhead", "dtensor_op_overhead", "attention_efficiency",
+              "step_efficiency")
+    mine_row = torch.tensor([float(getattr(mine, f)) for f in fields], dtype=torch.float64, device=device)
+    rows = torch.empty(dist.get_world_size() * len(fields), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(rows, mine_row)
+    rows = rows.view(-1, len(fields))
+    slowest = rows[int(torch.argmin(rows[:, 0] * rows[:, -1]))].tolist()
+    return dataclasses.replace(mine, **dict(zip(fields, slowest)))
 
 
 def _device_from_json(text: str) -> DevicePreset:

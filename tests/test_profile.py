@@ -295,3 +295,27 @@ def test_profile_mesh_on_4_gloo_ranks(tmp_path):
     files = sorted(p.name for p in (tmp_path / "cache" / "profiles").iterdir())
     assert len(files) == 2 and files[0].startswith("device-") and files[1].startswith("mesh-")
     assert times["load_s"] < 10  # target < 1 s; generous for a loaded CI machine
+
+
+def _slowest_worker(rank: int, out: str) -> None:
+    from autoparallel.profile import _slowest_rank
+
+    # rank 0: fast GEMMs, a slow step (effective 100 x 0.5 = 50); rank 1: the reverse (60 x 0.9 = 54)
+    mine = DevicePreset("r", 100e9 if rank == 0 else 60e9, 1e12, 1e10, 1e9, 1e-6, 1e-5,
+                        0.6 if rank == 0 else 0.3, 0.5 if rank == 0 else 0.9)
+    got = _slowest_rank(mine, torch.device("cpu"))
+    if rank == 1:
+        with open(out, "w") as f:
+            json.dump(got.to_json(), f)
+
+
+@pytest.mark.multiprocess
+def test_calibration_takes_the_slowest_ranks_rates_together(tmp_path):
+    """Efficiencies are ratios to the same rank's rates: the reduced calibration is one rank's
+    (the slowest step: least matmul rate x step efficiency), not each field's least."""
+    from gloo_ranks import spawn
+
+    out = tmp_path / "rates.json"
+    spawn(_slowest_worker, 2, str(out))
+    got = json.loads(out.read_text())
+    assert (got["flops_fp32"], got["attention_efficiency"], got["step_efficiency"]) == (100e9, 0.6, 0.5)

@@ -241,8 +241,8 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 5  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
-#                    5: DevicePreset.attention_efficiency and step_efficiency
+PROFILE_FORMAT = 6  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+#                    5: DevicePreset.attention_efficiency and step_efficiency; 6: the slowest rank's rates, together
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
