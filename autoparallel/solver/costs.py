@@ -242,7 +242,8 @@ fitted alpha-beta line prices a collective; beyond it the measured table is inte
 
 # Version of the CommProfile JSON layout; part of the profile key.
 PROFILE_FORMAT = 6  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
-#                    5: DevicePreset.attention_efficiency and step_efficiency; 6: the slowest rank's rates, together
+#                    5: DevicePreset.attention_efficiency and step_efficiency;
+#                    6: calibration phases run on every rank at once, the slowest rank's rates together
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
