@@ -1,4 +1,8 @@
-"""Vocab-parallel cross-entropy: the local parts of Megatron-LM's parallel loss.
+"""Softmax cross-entropy kernels of the per-device graph: vocab-parallel, and over whole classes.
+
+:func:`cross_entropy_loss` is torch's loss over whole classes with a one-pass backward (its
+docstring). The rest of this module is the vocab-parallel loss, the local parts of
+Megatron-LM's parallel loss.
 
 Shoeybi et al. 2019 (Megatron-LM, §3) compute the softmax cross-entropy of logits whose
 class (vocabulary) dim is split across devices without gathering them: each device takes

@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..graph import op_args
 from .mutations import call_like
 
 aten = torch.ops.aten
-_MULS = {aten.mul.Tensor}
 
 
 def roll_rotate_half(graph: fx.Graph) -> int:
@@ -69,32 +69,33 @@ def _dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _slice_of(node, x_dim: int):
-    """``(source, start, end)`` of a step-1 slice along the last dim, ends clamped; else ``None``."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor
-            and not node.kwargs):
+def _slice_of(node, last: int):
+    """``(source, start, end)`` of a step-1 slice along dim ``last`` (its source's last dim),
+    bounds clamped; else ``None``."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor):
         return None
-    src, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
-    size = src.meta["val"].shape[-1] if isinstance(src, fx.Node) else None
-    if not isinstance(size, int) or _dim(dim, src.meta["val"].dim()) != x_dim or step != 1:
+    a = op_args(node)
+    src = a["self"]
+    size = src.meta["val"].shape[-1]
+    if not isinstance(size, int) or _dim(a["dim"], src.meta["val"].dim()) != last or a["step"] != 1:
         return None
-    start = 0 if start is None else start
-    end = size if end is None else min(end, size)
+    start = 0 if a["start"] is None else a["start"]
+    end = size if a["end"] is None else min(a["end"], size)
     return src, start, end
 
 
 def _rotate_half(cat: fx.Node) -> tuple[fx.Node, int] | None:
     """``(x, h)`` when ``cat`` is ``cat(-x[..., h:], x[..., :h])`` along ``x``'s last dim of
     static size ``2h``; else ``None``."""
-    if len(cat.args) < 1 or len(cat.args[0]) != 2:
+    a = op_args(cat)
+    if len(a["tensors"]) != 2:
         return None
-    upper, lower = cat.args[0]
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    upper, lower = a["tensors"]
     if not (isinstance(upper, fx.Node) and upper.op == "call_function" and upper.target is aten.neg.default):
         return None
     ndim = cat.meta["val"].dim()
     last = ndim - 1
-    if _dim(dim, ndim) != last:
+    if _dim(a["dim"], ndim) != last:
         return None
     hi, lo = _slice_of(upper.args[0], last), _slice_of(lower, last)
     if hi is None or lo is None or hi[0] is not lo[0]:
@@ -108,7 +109,7 @@ def _rotate_half(cat: fx.Node) -> tuple[fx.Node, int] | None:
 
 def _other_factor(mul: fx.Node, cat: fx.Node) -> fx.Node | None:
     """The factor of product ``mul`` other than ``cat``, or ``None``."""
-    if mul.op != "call_function" or mul.target not in _MULS or len(mul.args) != 2 or mul.kwargs:
+    if mul.op != "call_function" or mul.target is not aten.mul.Tensor or len(mul.args) != 2 or mul.kwargs:
         return None
     a, b = mul.args
     other = b if a is cat else a if b is cat else None
