@@ -10,20 +10,20 @@ from ._torchvision_compat import install as _install_torchvision_compat  # isort
 
 _install_torchvision_compat()  # first: lets a CUDA torchvision wheel import on CPU torch (see the module)
 
-from .api import autoparallelize, coverage, plan
-from .recipes import compare
+from .api import autoparallelize, compare, coverage, plan
 from .codegen import ParallelModule
 from .constraints import ConstraintError
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
                      MeshMismatchError, PlanMismatchError, ShardingRuleError)
 from .mesh import MeshSpec
+from .options import PlanOptions
 from .plan import Plan
 from .profile import calibrate_device, profile_mesh
 from .solver import CostModel, DevicePreset
 from .solver.costs import CollectiveTable, CommProfile
 from .validate import validate_plan
 
-__all__ = ["autoparallelize", "plan", "coverage", "compare", "Plan", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
+__all__ = ["autoparallelize", "plan", "coverage", "compare", "Plan", "PlanOptions", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
            "profile_mesh", "calibrate_device", "CommProfile", "CollectiveTable",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
            "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan", "ConstraintError"]

@@ -89,8 +89,6 @@ def main(argv=None) -> int:
             p.add_argument("--constraint", action="append", default=[], metavar="PATTERN=PLACEMENTS",
                            help="pin tensors matching PATTERN, e.g. 'lm_head.weight=S0(tp)' (repeatable)")
             p.add_argument("--compare", action="store_true", help="also price DDP, FSDP, Megatron TP, FSDP + TP")
-            p.add_argument("--no-baselines", action="store_true",
-                           help="do not price DDP and the recipes beside the plan (faster planning)")
             p.add_argument("--table", action="store_true", help="print the per-node table, not the summary")
             p.add_argument("--report", metavar="DIR", help="write summary.txt, table.txt, plan.json, plan.png")
     args = ap.parse_args(argv)
@@ -126,8 +124,7 @@ def _plan(args, model, meta_inputs):
         comparison = autoparallel.compare(model, meta_inputs, **options)
         result = comparison.plan
     else:
-        result = autoparallel.plan(model, meta_inputs, constraints=constraints or None,
-                                   baselines=not args.no_baselines, **options)
+        result = autoparallel.plan(model, meta_inputs, constraints=constraints or None, **options)
     print(result.table() if args.table else result)
     if args.compare:
         print(comparison)

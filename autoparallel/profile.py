@@ -37,6 +37,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.flop_counter import sdpa_flop_count
 
 from . import cache
+from .mesh import MeshSpec
+from .options import PlanOptions
+from .solver.pipeline import plan_traced
+from .tracer import capture
 from .solver.costs import COLLECTIVES, PROFILE_FORMAT, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
 
 log = logging.getLogger(__name__)
@@ -430,13 +434,11 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     planned for one device with ``rates`` (the estimate's compute less the optimizer step), over
     its measured time (:func:`_median_time`): the share of the roofline's rates a training step
     achieves in place (:attr:`DevicePreset.step_efficiency`)."""
-    from .api import plan  # the planner's own estimate of the reference; api imports this module
-
     with torch.device(device):
         model, x = _ReferenceBlocks(), torch.randn(4, 128, 512)
     meta = (torch.empty(x.shape, device="meta"),)
-    estimate = plan(model, meta, mesh_shape=(1,), cost_model=CostModel(rates), cache_dir=False, baselines=False,
-                    device=device.type).estimate
+    options = PlanOptions(cost_model=CostModel(rates), cache_dir=False, device=device.type)
+    estimate = plan_traced(capture(model, meta, device=device.type), MeshSpec((1,)), options).estimate
     predicted = estimate["compute_s"] - estimate["optimizer_s"]
     return predicted / _median_time(lambda: model(x).backward(), device)
 

@@ -42,13 +42,12 @@ features when that equals the largest embedding's rows (the vocabulary).
 
 :func:`price` plans the recipes on the plan's own graph, strategies and costs: the plan's
 baselines (``plan.estimate["baselines"]``, :func:`baselines`), which ``str(plan)`` prints;
-:func:`compare` shows every recipe planned as a table. A recipe's plan is exactly the plan
+:func:`autoparallel.compare` shows every recipe planned as a table. A recipe's plan is exactly the plan
 solved with its constraints.
 """
 
 from __future__ import annotations
 
-import contextvars
 import fnmatch
 import math
 from dataclasses import dataclass, field, replace
@@ -370,7 +369,7 @@ class Row:
 
 @dataclass
 class Comparison:
-    """The plan and the recipes priced by one cost model (:func:`compare`); ``rows[0]`` is
+    """The plan and the recipes priced by one cost model (:func:`autoparallel.compare`); ``rows[0]`` is
     the unconstrained plan. ``str()`` prints the table."""
 
     mesh: MeshSpec
@@ -409,12 +408,8 @@ class Comparison:
         return "\n".join([head, _columns(table)] + notes + tail)
 
 
-_ROWS: contextvars.ContextVar = contextvars.ContextVar("autoparallel_recipe_rows", default=None)
-"""Where :func:`price` also hands its rows (with their plans) while :func:`compare` runs."""
-
-
 def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limit: float,
-          memory_budget: int | None, costs: str) -> list[Row]:
+          memory_budget: int | None, costs: str, every: bool = False) -> list[Row]:
     """Every recipe of :func:`recipes` planned on the planner of a plan, without tracing or
     pricing anything again: ``strategies`` (the plan's, before its own constraints) narrowed
     by the recipe (:func:`autoparallel.constraints.restrict`), then
@@ -426,7 +421,7 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
     Two shortcuts, each exact about what it reports: a recipe whose parameters and optimizer
     states alone (live through the whole step) exceed ``memory_budget`` gets that as its
     reason without a solve (the planner's infeasibility search costs minutes at Llama-3-8B
-    scale); and outside :func:`compare`, which plans every recipe, DDP is planned and then
+    scale); and unless ``every`` (:func:`autoparallel.compare`) asks to plan each recipe, DDP is planned and then
     the others in order of a lower bound of their step (:func:`step_bound`), and a recipe
     whose bound exceeds the fastest step found is not planned (``Row.at_least_s``): it cannot
     be the fastest.
@@ -442,7 +437,6 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
         one :class:`Row` per recipe, in :func:`recipes`' order: its plan (``estimate`` and
         placements; no alternatives or memory timeline), or why it has none.
     """
-    collector = _ROWS.get()
     rows: dict[str, Row] = {}
     ready = []  # (not DDP, step bound, recipe, restricted planner, its problem, resolved constraints)
     listed = recipes(traced, mesh)
@@ -458,7 +452,7 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
             rows[r.name] = Row(r.name, None, f"{type(e).__name__}: {e}")
     fastest = math.inf
     for _, bound, r, sub, built, pins in sorted(ready, key=lambda x: x[:2]):
-        if collector is None and r.name != "DDP" and bound > fastest * (1 + 1e-9):
+        if not every and r.name != "DDP" and bound > fastest * (1 + 1e-9):
             rows[r.name] = Row(r.name, None, f"not planned: its step is at least {bound:.4g} s, more than the "
                                              f"fastest recipe's {fastest:.4g} s", r.notes, bound)
             continue
@@ -472,10 +466,7 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
         p.solver_stats["placement_constraints"] = {q.pattern: q.text(mesh.axis_names) for q in pins}
         fastest = min(fastest, p.estimate["step_time_s"])
         rows[r.name] = Row(r.name, p, notes=r.notes)
-    out = [rows[r.name] for r in listed]
-    if collector is not None:
-        collector.extend(out)
-    return out
+    return [rows[r.name] for r in listed]
 
 
 def _restricted_problem(planner, strategies, pins, mesh: MeshSpec, memory_budget: int | None):
@@ -534,43 +525,3 @@ def baselines(rows: list[Row]) -> dict[str, dict]:
                        "recompute_s": r.plan.checkpoint.recompute_s if r.plan.checkpoint else 0.0,
                        "peak_memory_bytes": est.get("peak_memory_bytes")}
     return out
-
-
-def compare(model, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None, **plan_options) -> Comparison:
-    """Plan ``model`` and price every recipe of :func:`recipes` with the same options.
-
-    The recipes are the plan's baselines (:func:`price`, as :func:`autoparallel.plan` computes
-    them by default): one trace and one pricing, an ILP solve per recipe. Every row is solved:
-    the plan cache, which keeps no recipe plans, is neither read nor written.
-
-    Args:
-        model / meta_inputs / mesh_shape / mesh_spec: as :func:`autoparallel.plan`.
-        plan_options: further :func:`autoparallel.plan` keywords (``cost_model``,
-            ``memory_budget``, ...), the same for every row.
-
-    Returns:
-        a :class:`Comparison`; the plan (``.plan``) holds ``estimate["baselines"]``
-        (:func:`baselines`), which ``str(plan)`` prints.
-
-    Raises:
-        TypeError: ``constraints`` or ``baselines`` among ``plan_options`` (a recipe is a
-            constraint set; the recipes are the baselines).
-        The errors of :func:`autoparallel.plan` for the unconstrained plan; a recipe's
-        ConstraintError or InfeasiblePlanError becomes its row's reason.
-    """
-    from .api import plan
-
-    for key in ("constraints", "baselines"):
-        if key in plan_options:
-            raise TypeError(f"compare() prices the unconstrained plan against the recipes: pass no {key}")
-    if mesh_spec is None:
-        if mesh_shape is None:
-            raise ValueError("compare() needs mesh_shape=(...) or mesh_spec=MeshSpec(...)")
-        mesh_spec = MeshSpec(tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,))
-    rows: list[Row] = []
-    token = _ROWS.set(rows)
-    try:
-        best = plan(model, meta_inputs, mesh_spec=mesh_spec, **(plan_options | {"cache_dir": False}))
-    finally:
-        _ROWS.reset(token)
-    return Comparison(mesh_spec, [Row("autoparallel plan", best)] + rows)

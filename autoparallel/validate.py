@@ -37,21 +37,14 @@ reports, not what the module computes.
 
 from __future__ import annotations
 
-import math
-import numbers
-import os
 from typing import Sequence
 
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from .constraints import check_type as check_constraints_type
 from .errors import PlanMismatchError
 from .placement import P, R, Spec, is_valid, local_shape, shard, shard_axes, spec_problem, spec_str, uneven_dims
-from .plan import OUTPUTS, Move, Plan, returned_spec
-from .solver.costs import CostModel
-from .solver.ilp import SOLVERS
-from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
+from .plan import Move, Plan, returned_spec
 from .graph import output_leaves, tensor_inputs
 from .solver.planner import aliased_edges, op_name, written_back_outputs
 from .solver.remat import chain_stages
@@ -325,49 +318,3 @@ def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
     extra = [k for k in have if k not in want]
     if extra:
         raise _mismatch(f"checkpoint stages[{extra[0]!r}]", "the graph's chain has no such node")
-
-
-def check_planning_arguments(*, cost_model=None, strict=False, solver="cbc", time_limit=60.0, parallelism="auto",
-                             share_layers=True, cache_dir=None, memory_budget=None, optimizer=DEFAULT_OPTIMIZER,
-                             device="cpu", stamp_layers=True, outputs="sharded", constraints=None) -> None:
-    """Check the planning options shared by :func:`autoparallel.plan` and
-    :func:`autoparallel.autoparallelize` (meanings there), before any work is done.
-
-    Raises:
-        TypeError: an argument of the wrong type (named, with the value given and what was
-            expected), ``constraints`` that is not a mapping of glob patterns.
-        ValueError: an unknown ``solver``, ``parallelism``, ``optimizer`` or ``outputs``, a ``time_limit``
-            that is not positive and finite, an unreadable or non-positive ``memory_budget``.
-    """
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be an autoparallel.CostModel (or None for the default), not {cost_model!r}")
-    for name, v in (("strict", strict), ("share_layers", share_layers), ("stamp_layers", stamp_layers)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, not {v!r}")
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {', '.join(map(repr, SOLVERS))}, not {solver!r}")
-    if not isinstance(time_limit, numbers.Real) or isinstance(time_limit, bool):
-        raise TypeError(f"time_limit must be a number of seconds, not {time_limit!r}")
-    if not (math.isfinite(time_limit) and time_limit > 0):
-        raise ValueError(f"time_limit must be a positive, finite number of seconds, not {time_limit!r}")
-    if parallelism not in ("auto", "data", "fsdp"):
-        raise ValueError(f"parallelism must be 'auto', 'data' or 'fsdp', not {parallelism!r}")
-    if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, (str, os.PathLike)):
-        raise TypeError(f"cache_dir must be a folder (str or path), None for the default or False for no cache, "
-                        f"not {cache_dir!r}")
-    if memory_budget is not None:
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (numbers.Real, str)):
-            raise TypeError(f"memory_budget must be bytes (a number) or a string such as '12GiB', not "
-                            f"{memory_budget!r}")
-        if isinstance(memory_budget, numbers.Real) and not math.isfinite(memory_budget):
-            raise ValueError(f"memory_budget must be a finite number of bytes, not {memory_budget!r}")
-        resolve_budget(memory_budget, lambda: 0)
-    if optimizer not in OPTIMIZER_STATES:
-        choices = ", ".join(map(repr, sorted(OPTIMIZER_STATES)))
-        raise ValueError(f"optimizer must be one of {choices}, not {optimizer!r}")
-    if outputs not in OUTPUTS:
-        raise ValueError(f"outputs must be {' or '.join(map(repr, OUTPUTS))}, not {outputs!r}")
-    if constraints is not None:
-        check_constraints_type(constraints)
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', not {device!r}")

@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import autoparallel  # noqa: E402  (before transformers' model classes: see README, torchvision)
+from autoparallel.codegen.emit import emit  # noqa: E402
 import transformers as T  # noqa: E402
 from torch.distributed._local_tensor import LocalTensorMode  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
@@ -166,7 +167,7 @@ def checkpointing():
                                           cache_dir=False, memory_budget=budget)
         every_plan = copy.deepcopy(ck.plan)
         every_plan.checkpoint.regions = every_plan.checkpoint.every_stage.regions
-        every = autoparallel.api.emit(copy.deepcopy(model), traced, every_plan, mesh)
+        every = emit(copy.deepcopy(model), traced, every_plan, mesh)
         base = _step_seconds(plain, batch)
         rows = [("Rotor schedule", ck, ck.plan.checkpoint.recompute_s),
                 ("every stage", every, ck.plan.checkpoint.every_stage.recompute_s)]

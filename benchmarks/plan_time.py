@@ -20,11 +20,11 @@ and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
         [--solver cbc|highs] [--budget 40GiB]   # another budget for the Llama rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
-        [--no-baselines]   # leave out the recipe baselines plan() prices by default
+        [--baselines]   # also price the recipe baselines (plan() leaves them out by default)
 
 Each row prints the seconds of every part of the pipeline: trace, strategies, memory model,
 costs (pricing and building the problem), ILP (every stage-1 solve), remat (stage 2), inspect
-(alternatives and timeline), baselines (the recipes priced beside the plan) and the rest.
+(alternatives and timeline), baselines (the recipes, with ``--baselines``) and the rest.
 
 Nothing is allocated: models are built on the meta device. The plan cache is off.
 """
@@ -75,7 +75,7 @@ ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 polic
 }
 
 
-def run(name, solver, share, stamp, budget=None, baselines=True):
+def run(name, solver, share, stamp, budget=None):
     build, (b, s), mesh, target, llm = ROWS[name]
     with torch.device("meta"):
         model = build()
@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--no-share", action="store_true", help="also plan without block sharing")
     ap.add_argument("--no-stamp", action="store_true", help="trace every layer (no layer stamping)")
     ap.add_argument("--budget", default=None, help="memory budget of the Llama rows (default: the device's)")
-    ap.add_argument("--no-baselines", action="store_true", help="plan without pricing the recipe baselines")
+    ap.add_argument("--baselines", action="store_true", help="also price the recipe baselines beside each plan")
     args = ap.parse_args()
     T.logging.set_verbosity_error()
     # warm up torch.export once so that the first row does not pay its one-time start-up
@@ -142,7 +142,7 @@ def main():
     for name in args.rows.split(","):
         for share in ([True, False] if args.no_share else [True]):
             plan, total, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp, args.budget,
-                                                             not args.no_baselines)
+                                                             args.baselines)
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"

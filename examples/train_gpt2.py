@@ -122,10 +122,10 @@ def main() -> int:
     t_plan = time.perf_counter() - t0
 
     if rank == 0:
-        # the summary already sets the plan beside DDP and the fastest recipe (its baselines); the table
-        # plans every recipe again (no devices) to show each one's compute, communication and memory
+        # plans every recipe on the same capture (no devices) to show each one's compute,
+        # communication and memory beside the plan's
         comparison = autoparallel.compare(model, meta_inputs, mesh_spec=pmodel.plan.mesh, cost_model=cost_model)
-        print(pmodel.plan, flush=True)
+        print(comparison.plan, flush=True)
         print(comparison, flush=True)
         print(f"autoparallelize took {t_plan:.1f} s", flush=True)
 

@@ -73,7 +73,7 @@ def test_plan_rejects(kwargs, error, match, monkeypatch):
     def no_capture(*args, **kw):
         raise AssertionError("the arguments are checked before the capture")
 
-    monkeypatch.setattr(autoparallel.api.ColoTracer, "trace", no_capture)
+    monkeypatch.setattr(autoparallel.tracer.ColoTracer, "trace", no_capture)
     with pytest.raises(error, match=match):
         autoparallel.plan(LIN, META, **kwargs)
 

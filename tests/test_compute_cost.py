@@ -70,7 +70,7 @@ class Ops(torch.nn.Module):
 
 def _node_costs():
     plan = autoparallel.plan(Ops(), (torch.empty(32, 64, device="meta"),), mesh_shape=(1,),
-                             cost_model=CostModel(DEVICE), cache_dir=False, baselines=False)
+                             cost_model=CostModel(DEVICE), cache_dir=False)
     return {n.op: n.compute_s for n in plan.nodes.values()}
 
 

@@ -65,9 +65,9 @@ def test_constrained_plan_honours_every_constraint_and_costs_no_less(gpt2):
         assert pp[f"transformer.h.{i}.mlp.c_proj.weight"] == (R, Shard(0))
     assert pp["transformer.wpe.weight"] == (Shard(0), Shard(0))
     model, inputs = gpt2
-    from autoparallel.api import _trace
+    from autoparallel.tracer import capture
 
-    traced = _trace(model, inputs, True)
+    traced = capture(model, inputs)
     graph = {n.name: n for n in traced.gm.graph.nodes}
     readers = [u.name for u in graph["input_ids"].users]
     assert readers

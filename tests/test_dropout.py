@@ -13,7 +13,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoparallel
-from autoparallel.api import emit
+from autoparallel.codegen.emit import emit
 from autoparallel.runtime_kernels import random as rk
 from autoparallel.tracer import ColoTracer
 from models import whole

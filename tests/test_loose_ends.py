@@ -69,7 +69,7 @@ def test_a_unit_constraint_is_honoured_and_checked():
     stored in units are refused with the tensor and the reason."""
     meta = (torch.empty(2, 4, 20, device="meta"),)
     p = autoparallel.plan(_Heads(), meta, mesh_shape=(2,), constraints={"attn": "S2u4"}, cost_model=CheapComm("cpu"),
-                          baselines=False, cache_dir=False)
+                          cache_dir=False)
     merged = [n for n in p.nodes.values() if n.op == "reshape.default"]
     assert [n.output_specs[0] for n in merged] == [(UnitShard(2, 4),)]
     for text in ("S2u3", "S1u3", "S2u10"):  # 3 does not divide 20 nor 4; 2 units of 10 are an even cut
@@ -87,11 +87,11 @@ def test_printed_placements_pin_back_the_same_plan():
     pytest.importorskip("transformers")
     from test_uneven_units import _gpt2_25_heads
 
-    from autoparallel.api import _trace
+    from autoparallel.tracer import capture
     from autoparallel.constraints import module_outputs
 
     meta = {k: torch.empty(2, 8, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
-    kw = dict(mesh_shape=(2, 2), cost_model=CheapComm("cpu"), baselines=False, cache_dir=False)
+    kw = dict(mesh_shape=(2, 2), cost_model=CheapComm("cpu"), cache_dir=False)
     p = autoparallel.plan(_gpt2_25_heads(), meta, **kw)
     names = p.mesh.axis_names
     specs = {s for n in p.nodes.values() for s in n.input_specs + n.output_specs}
@@ -108,7 +108,7 @@ def test_printed_placements_pin_back_the_same_plan():
     assert again.solver_stats["objective_s"] == pytest.approx(p.solver_stats["objective_s"], rel=1e-9)
     assert any(isinstance(x, UnitShard) for n in again.nodes.values() for s in n.output_specs for x in s)
 
-    outputs = {path: node.name for path, node in module_outputs(_trace(_gpt2_25_heads(), meta, True).gm).items()}
+    outputs = {path: node.name for path, node in module_outputs(capture(_gpt2_25_heads(), meta).gm).items()}
     pins.update({path: format_spec(p.nodes[name].output_specs[0], names) for path, name in outputs.items()})
     again = autoparallel.plan(_gpt2_25_heads(), meta, constraints=pins, **kw)
     assert again.param_placements == p.param_placements
@@ -135,12 +135,12 @@ def test_summary_follows_the_slices_of_a_fused_projection():
     """GPT-2's ``c_attn`` is read in three slices (tracer/fused.py). Under Megatron's
     constraints (stored split by output features, which a slice cannot keep) the summary says
     the weight is gathered and its slices split for compute, not "as stored"."""
-    from autoparallel.api import _trace
+    from autoparallel.tracer import capture
     from autoparallel.recipes import recipes
 
     model, inputs = _gpt2()
-    tp = next(r for r in recipes(_trace(model, inputs, True), MESH) if r.name.startswith("Megatron"))
-    p = autoparallel.plan(model, inputs, mesh_spec=MESH, constraints=tp.constraints, baselines=False,
+    tp = next(r for r in recipes(capture(model, inputs), MESH) if r.name.startswith("Megatron"))
+    p = autoparallel.plan(model, inputs, mesh_spec=MESH, constraints=tp.constraints,
                           cache_dir=False)
     use = _use_column(p, "transformer.h.{0..1}.attn.c_attn.weight")
     slices = {n for through in p.solver_stats["state_reads"].values() for n in through}
@@ -154,7 +154,7 @@ def test_summary_follows_a_policy_cast():
     as all-gathered (the cast copy is), not "as stored"."""
     model, inputs = _gpt2()
     p = autoparallel.plan(model, inputs, mesh_spec=MESH, mp_policy=BF16, constraints={"*.weight": "S0(dp) S0(tp) -> R"},
-                          baselines=False, cache_dir=False)
+                          cache_dir=False)
     assert _use_column(p, "transformer.h.{0..1}.mlp.c_fc.weight") == "all-gathered over dp,tp"
 
 
@@ -165,12 +165,12 @@ def test_fsdp_recipes_gather_param_dtype_under_bf16():
     (fp32), and every all-gather of its cast or of the cast's slices (GPT-2's fused ``c_attn``)
     moves 2 bytes per element. (FSDP + TP leaves the parameters Megatron replicates, and the
     fused bias, to the planner: no use clause.)"""
-    from autoparallel.api import _trace
+    from autoparallel.tracer import capture
     from autoparallel.constraints import read_through
-    from autoparallel.recipes import compare
+    from autoparallel import compare
 
     model, inputs = _gpt2()
-    traced = _trace(model, inputs, True, BF16)
+    traced = capture(model, inputs, mp_policy=BF16)
     c = compare(model, inputs, mesh_spec=MESH, mp_policy=BF16)
     for name in ("FSDP (ZeRO-3)", "FSDP + TP"):
         plan = next(r for r in c.rows if r.name == name).plan

@@ -9,6 +9,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoparallel
 from autoparallel.graph import output_leaves
+from autoparallel.options import PlanOptions
+from autoparallel.solver.pipeline import plan_traced
 from autoparallel.placement import Replicate, Shard, local_shape
 from autoparallel.plan import returned_spec
 from autoparallel.solver.costs import PRESETS
@@ -59,9 +61,8 @@ def test_logits_returned_sharded_and_counted_at_llama_scale():
     model = _llama_vocab_128k(layers=2)
     ids = torch.empty(64, 2048, dtype=torch.long, device="meta")
     traced = ColoTracer().trace(model, {"input_ids": ids, "labels": ids})
-    plan = autoparallel.api._plan_traced(
-        traced, autoparallel.MeshSpec((8, 8)), cost_model=autoparallel.CostModel("h100"), strict=False, solver="cbc",
-        time_limit=60, parallelism="auto", share_layers=True, cache_dir=False, memory_budget="unlimited")
+    plan = plan_traced(traced, autoparallel.MeshSpec((8, 8)),
+                       PlanOptions(cost_model=autoparallel.CostModel("h100"), cache_dir=False, memory_budget="unlimited"))
     gen = StrategyGenerator((8, 8))
     gen.generate(traced.gm)
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")

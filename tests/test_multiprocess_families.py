@@ -118,7 +118,7 @@ def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
     except Exception as e:
         # planning runs on rank 0 alone, the others wait for its plan in a broadcast: release
         # them with no plan, so that they fail too instead of hanging
-        if rank == 0 and any(f.name == "_plan_traced" for f in traceback.extract_tb(e.__traceback__)):
+        if rank == 0 and any(f.name == "plan_traced" for f in traceback.extract_tb(e.__traceback__)):
             dist.broadcast_object_list([None], src=0)
         raise
     info["plan_s"] = round(time.perf_counter() - t0, 2)

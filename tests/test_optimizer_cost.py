@@ -27,7 +27,7 @@ def _plan(cost_model, mesh=(4,), **kw):
         model = MLP()
     x = torch.empty(64, 256, device="meta")
     return autoparallel.plan(model, {"x": x, "y": x}, mesh_shape=mesh, cache_dir=False, cost_model=cost_model,
-                             baselines=False, **kw)
+                             **kw)
 
 
 def test_every_optimizer_is_priced():
@@ -261,6 +261,6 @@ def test_plan_for_cuda_on_any_build(caplog):
         model = hf_model("llama")
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         plan = autoparallel.plan(model, to_meta(batch_for("llama", 0)), mesh_shape=(2,), device="cuda",
-                                 cost_model=CostModel(TRAFFIC_ONLY), cache_dir=False, baselines=False)
+                                 cost_model=CostModel(TRAFFIC_ONLY), cache_dir=False)
     assert plan.estimate["peak_memory_bytes"] > 0
     assert ("built without cuda" in caplog.text) == (not torch.backends.cuda.is_built())

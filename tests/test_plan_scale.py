@@ -64,7 +64,7 @@ def test_flow_edges_keep_the_optimum(monkeypatch):
     with torch.device("meta"):
         model = hf_model("llama", layers=2)
     inputs = {k: torch.empty(8, 32, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
-    plan = autoparallel.plan(model, inputs, mesh_shape=(2, 2), cache_dir=False, baselines=False)
+    plan = autoparallel.plan(model, inputs, mesh_shape=(2, 2), cache_dir=False)
     built = planners[0].build_problem()
     flows = [e for e in built.ilp.edges if e.flow is not None]
     assert flows, "no edge was given as a flow"

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import autoparallel
 from autoparallel import cache
 from autoparallel.errors import PlanMismatchError
+from autoparallel.options import PlanOptions
+from autoparallel.solver.pipeline import plan_traced
 from autoparallel.passes import apply_plan
 from autoparallel.passes.dropout import shard_random_ops
 from autoparallel.plan import MOVE_KINDS, Plan
@@ -65,12 +67,11 @@ def _solved(make, mesh_shape, budget_frac=None, **kw):
     of the unconstrained plan's modelled peak memory."""
     model, inputs = make()
     traced = ColoTracer().trace(model, inputs)
-    kw = {"cost_model": CPU, "strict": False, "solver": "cbc", "time_limit": 30, "parallelism": "auto",
-          "share_layers": True, "cache_dir": False, **kw}
-    plan = autoparallel.api._plan_traced(traced, autoparallel.MeshSpec(mesh_shape), **kw)
+    options = PlanOptions(**{"cost_model": CPU, "time_limit": 30, "cache_dir": False, **kw})
+    plan = plan_traced(traced, autoparallel.MeshSpec(mesh_shape), options)
     if budget_frac is not None:
         budget = int(budget_frac * plan.estimate["peak_memory_bytes"])
-        plan = autoparallel.api._plan_traced(traced, autoparallel.MeshSpec(mesh_shape), memory_budget=budget, **kw)
+        plan = plan_traced(traced, autoparallel.MeshSpec(mesh_shape), PlanOptions.build(options, memory_budget=budget))
     return traced, plan
 
 
@@ -411,9 +412,8 @@ def test_cache_ignores_a_plan_that_moves_a_pinned_parameter(tmp_path, caplog):
     traced = ColoTracer().trace(model, inputs)
 
     def plan(cache_dir, pinned=None):
-        return autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2,)), cost_model=ShardParams("cpu"),
-                                             strict=False, solver="cbc", time_limit=10, parallelism="auto",
-                                             share_layers=True, cache_dir=cache_dir, pinned=pinned)
+        return plan_traced(traced, autoparallel.MeshSpec((2,)),
+                           PlanOptions(cost_model=ShardParams("cpu"), time_limit=10, cache_dir=cache_dir), pinned=pinned)
 
     sharded = plan(tmp_path / "free")
     pinned = {name: (Replicate(),) for name in sharded.param_placements}

@@ -5,9 +5,10 @@ import torch
 from torch.distributed.tensor import Shard
 
 import autoparallel
-from autoparallel.api import _trace
+from autoparallel.tracer import capture
 from autoparallel.placement import R
-from autoparallel.recipes import compare, find_roles, recipes
+from autoparallel import compare
+from autoparallel.recipes import find_roles, recipes
 
 from models import hf_model
 
@@ -34,7 +35,7 @@ ROLES = {"gpt2": "CRCR", "llama": "CCCRCCR", "bert": "CCCRCR"}
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_roles_from_the_graph(name):
-    traced = _trace(*_model(name), True)
+    traced = capture(*_model(name))
     roles = find_roles(traced)
     modules, out_dim, head = EXPECTED[name]
     layer0 = [p for p in roles.projections if p.layer is not None and p.layer[1] == 0]
@@ -46,7 +47,7 @@ def test_roles_from_the_graph(name):
 
 
 def test_recipe_constraints():
-    traced = _trace(*_model("llama"), True)
+    traced = capture(*_model("llama"))
     by = {r.name: r for r in recipes(traced, MESH)}
     assert set(by) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
     ddp, fsdp, tp, both = (by[k].constraints for k in by)
@@ -62,7 +63,7 @@ def test_recipe_constraints():
     one_d = {r.name: r for r in recipes(traced, autoparallel.MeshSpec((4,), ("x",)))}
     assert one_d["FSDP + TP"].constraints is None and "2-D mesh" in one_d["FSDP + TP"].reason
     assert one_d["Megatron TP over x"].constraints["input_ids"] == "R"
-    odd = {r.name: r for r in recipes(_trace(*_model("llama", batch=3), True), MESH)}
+    odd = {r.name: r for r in recipes(capture(*_model("llama", batch=3)), MESH)}
     assert odd["DDP"].constraints is None and "not divisible by 4" in odd["DDP"].reason
 
 
@@ -78,7 +79,7 @@ def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
     assert tp.plan.param_placements["transformer.h.0.mlp.c_fc.weight"] == (Shard(1),)
     assert tp.plan.param_placements["transformer.h.0.mlp.c_proj.weight"] == (Shard(0),)
     assert tp.plan.param_placements["transformer.ln_f.weight"] == (R,)
-    traced = _trace(model, inputs, True)
+    traced = capture(model, inputs)
     recipe = next(r for r in recipes(traced, mesh) if r.name == "Megatron TP over x")
     again = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, constraints=recipe.constraints)
     assert again.estimate["step_time_s"] == tp.plan.estimate["step_time_s"]
@@ -92,7 +93,7 @@ def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
         assert c.plan.estimate["baselines"][r.name] == {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],
                                                         "recompute_s": 0.0, "peak_memory_bytes": est["peak_memory_bytes"]}
     assert c.plan.estimate["baselines"]["FSDP + TP"] == {"reason": c.rows[4].reason}
-    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False), c)
+    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, baselines=True), c)
     assert "vs this plan's step, same cost model: DDP" in str(c.plan)
     with pytest.raises(TypeError, match="pass no baselines"):
         compare(model, inputs, mesh_spec=mesh, baselines=False)
@@ -122,7 +123,7 @@ def test_compare_on_a_2d_mesh_every_recipe_expressible():
     c = compare(model, inputs, mesh_spec=MESH, cache_dir=False)
     assert all(r.plan is not None for r in c.rows), str(c)
     assert c.best_recipe() is not None
-    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=False), c)
+    _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=False, baselines=True), c)
 
 
 def test_roles_through_mixed_precision_casts():
@@ -131,7 +132,7 @@ def test_roles_through_mixed_precision_casts():
 
     model, inputs = _model("llama")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    roles = find_roles(_trace(model, inputs, True, policy))
+    roles = find_roles(capture(model, inputs, mp_policy=policy))
     assert "".join(p.role[0].upper() for p in roles.projections if p.layer == ("model.layers", 0)) == ROLES["llama"]
     assert roles.vocab == 128 and [p.weight for p in roles.projections if p.role == "head"] == ["lm_head.weight"]
 
@@ -165,7 +166,7 @@ def test_restricted_planner_keeps_layer_templates_only_when_they_hold():
     from autoparallel.solver.shared_layers import layer_templates
     from autoparallel.strategies import StrategyGenerator
 
-    traced = _trace(*_model("gpt2", layers=4), True)
+    traced = capture(*_model("gpt2", layers=4))
     gen = StrategyGenerator(MESH.shape)
     strategies = gen.generate(traced.gm)
     planner = Planner(traced.gm, strategies, gen.aliases, MESH, CostModel(), dict(traced.params))

@@ -147,7 +147,7 @@ def test_gather_backward_priced_in_reduce_dtype_bytes(policy, grad_bytes):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     p = autoparallel.plan(model, (torch.empty(64, 256, device="meta"),), mesh_shape=4, parallelism="fsdp",
-                          mp_policy=policy, cache_dir=False, baselines=False)
+                          mp_policy=policy, cache_dir=False)
     cm = autoparallel.CostModel("cpu").bind(p.mesh)
     gathers = [r for r in p.redistributions if r.src.endswith("_bf16")]
     assert len(gathers) == 4  # two weights, two biases

@@ -7,6 +7,8 @@ import torch
 from torch.distributed._local_tensor import LocalTensorMode
 
 import autoparallel
+from autoparallel.options import PlanOptions
+from autoparallel.solver.pipeline import plan_traced
 from models import MLP, ShardParams, batch_for, hf_model, placements_of, to_meta, whole
 from test_parity import assert_close, loss_of
 
@@ -78,13 +80,13 @@ def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
     torch.manual_seed(0)
     ref = MLP()
     captures = []
-    trace = autoparallel.api.ColoTracer.trace
+    trace = autoparallel.tracer.ColoTracer.trace
 
     def counting(self, model, meta_inputs):
         captures.append(model)
         return trace(self, model, meta_inputs)
 
-    monkeypatch.setattr(autoparallel.api.ColoTracer, "trace", counting)
+    monkeypatch.setattr(autoparallel.tracer.ColoTracer, "trace", counting)
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch_for("mlp", 0)), device_mesh=mesh,
                                               cost_model=ShardParams("cpu"), replan=True)
@@ -102,13 +104,12 @@ def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
 
 
 def test_a_pin_no_strategy_keeps_names_the_parameter():
-    traced = autoparallel.api.ColoTracer().trace(MLP(), to_meta(batch_for("mlp", 0)))
+    traced = autoparallel.tracer.ColoTracer().trace(MLP(), to_meta(batch_for("mlp", 0)))
     S = torch.distributed.tensor.Shard
 
     def plan(pinned):
-        return autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2,)), cost_model=None, strict=False,
-                                             solver="cbc", time_limit=10, parallelism="auto", share_layers=True,
-                                             cache_dir=False, pinned=pinned)
+        return plan_traced(traced, autoparallel.MeshSpec((2,)), PlanOptions(time_limit=10, cache_dir=False),
+                           pinned=pinned)
 
     pinned = {name: (S(0),) for name in traced.params}
     assert plan(pinned).param_placements == pinned  # kept, whatever the costs prefer

@@ -96,13 +96,13 @@ def _staged():
     work()
 
 
-def test_cli_plan_without_baselines(capsys):
+def test_cli_prices_the_recipes_only_with_compare(capsys):
     args = ["plan", "--model", "gpt2", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
             "--batch", "4", "--seq", "16", "--mesh", "2"]
     assert main(args) == 0
-    assert "vs this plan's step, same cost model: DDP" in capsys.readouterr().out
-    assert main(args + ["--no-baselines"]) == 0
     assert "DDP" not in capsys.readouterr().out
+    assert main(args + ["--compare"]) == 0
+    assert "vs this plan's step, same cost model: DDP" in capsys.readouterr().out
 
 
 def test_progress_bar_on_a_terminal(monkeypatch):

@@ -22,7 +22,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import Shard
 
 import autoparallel
-from autoparallel.api import emit
+from autoparallel.codegen.emit import emit
 from autoparallel.errors import ShardingRuleError
 from autoparallel.mesh import MeshSpec
 from autoparallel.placement import R

@@ -23,7 +23,7 @@ def _plan(name, layers, **kw):
 
 @pytest.fixture(scope="module")
 def gpt2_plan():
-    return _plan("gpt2", 4)
+    return _plan("gpt2", 4, baselines=True)
 
 
 def test_fold_and_ranges():
@@ -56,7 +56,7 @@ def test_summary_folds_layers_and_names_every_parameter_kind(gpt2_plan):
 
 
 def test_summary_length_does_not_grow_with_depth(gpt2_plan):
-    shallow = _plan("gpt2", 2)
+    shallow = _plan("gpt2", 2, baselines=True)
     assert len(str(gpt2_plan).splitlines()) == len(str(shallow).splitlines())
     assert "transformer.h.{0..1}.mlp.c_fc.weight" in str(shallow)
 
@@ -107,7 +107,7 @@ def test_inspection_survives_json(gpt2_plan):
     assert again.explain("transformer.h.1.mlp.c_fc.weight") == gpt2_plan.explain("transformer.h.1.mlp.c_fc.weight")
 
 
-def test_baselines_by_default_printed_and_cached(gpt2_plan, tmp_path):
+def test_baselines_when_asked_printed_and_cached(gpt2_plan, tmp_path):
     base = gpt2_plan.estimate["baselines"]
     assert set(base) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
     step = gpt2_plan.estimate["step_time_s"]
@@ -133,11 +133,11 @@ def test_baselines_by_default_printed_and_cached(gpt2_plan, tmp_path):
         model = hf_model("gpt2", layers=1)
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids.clone()}
-    first = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)
-    again = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)
+    first = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=True)
+    again = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=True)
     assert first.solver_stats["cache"] == "miss" and again.solver_stats["cache"] == "hit"
     assert again.estimate["baselines"] == first.estimate["baselines"] and str(again) == str(first)
-    off = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=False)
+    off = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)  # the default: not priced
     assert off.solver_stats["cache"] == "miss" and "baselines" not in off.estimate  # its own cache entry
     assert "data parallelism and hand-written recipes: not priced" in str(off)
     with pytest.raises(TypeError, match="baselines must be True or False"):
@@ -157,16 +157,16 @@ def test_plan_json_validates_baselines(gpt2_plan, bad, field):
         autoparallel.Plan.from_json(json.dumps(d))
 
 
-def test_autoparallelize_plans_baselines_unless_asked_not_to(sim_mesh):
+def test_autoparallelize_plans_baselines_only_when_asked(sim_mesh):
     torch.manual_seed(0)
     model = hf_model("gpt2", layers=1)
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids.clone()}
     mesh = sim_mesh((2,))
-    on = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False)
+    on = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False, baselines=True)
     assert "step_time_s" in on.plan.estimate["baselines"]["DDP"]
     assert "vs this plan's step, same cost model: DDP" in str(on.plan)
-    off = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False, baselines=False)
+    off = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False)
     assert "baselines" not in off.plan.estimate and "baselines_s" not in off.plan.solver_stats
     with pytest.raises(TypeError, match="baselines must be True or False"):
         autoparallel.autoparallelize(model, inputs, device_mesh=mesh, baselines=None)

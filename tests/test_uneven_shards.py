@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
+from autoparallel.options import PlanOptions
+from autoparallel.solver.pipeline import plan_traced
 from autoparallel.placement import P, chunk_ok, is_valid, local_shape, spec_problem, uneven_dims
 from autoparallel.strategies.engine import DimMap, enumerate_strategies
 from test_rules import _check_all_strategies
@@ -197,9 +199,8 @@ def test_uneven_plan_round_trips_and_validates():
     model = _MLP(251)
     inputs = {"x": torch.empty(4, 24, device="meta"), "y": torch.empty(4, 24, device="meta")}
     traced = ColoTracer().trace(model, inputs)
-    plan = autoparallel.api._plan_traced(traced, autoparallel.MeshSpec((2, 2)), cost_model=ShardParams("cpu"),
-                                         strict=False, solver="cbc", time_limit=30, parallelism="auto",
-                                         share_layers=True, cache_dir=False)
+    plan = plan_traced(traced, autoparallel.MeshSpec((2, 2)),
+                       PlanOptions(cost_model=ShardParams("cpu"), time_limit=30, cache_dir=False))
     spec = plan.param_placements["up.weight"]
     assert uneven_dims((251, 24), spec, (2, 2)) == (0,), spec
     again = Plan.from_json(plan.to_json())
@@ -241,7 +242,7 @@ def _real_ranks_worker(rank: int) -> None:
                                         init_device_mesh("cpu", (2, 2)))]:
         pmodel = autoparallel.autoparallelize(
             copy.deepcopy(ref), {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()},
-            device_mesh=on, cost_model=cost, cache_dir=False, baselines=False)
+            device_mesh=on, cost_model=cost, cache_dir=False)
         want = loss(ref(**batch))
         want.backward()
         got = loss(pmodel(**batch))

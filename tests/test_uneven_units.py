@@ -221,7 +221,7 @@ def test_25_heads_split_on_2x2(build, sim_mesh):
     mesh = sim_mesh((2, 2))
     ranks = frozenset(range(4))
     with LocalTensorMode(ranks):
-        planned = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, baselines=False,
+        planned = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh,
                                                cost_model=CheapComm("cpu"), cache_dir=False)
         text = planned.plan.to_json()
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, plan=text)

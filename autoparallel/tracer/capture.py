@@ -16,6 +16,7 @@ import contextlib
 import linecache
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from ..errors import CaptureError
 from ..fqn import set_attr
 from .annotate import annotate_graph
 from .batchnorm import decompose_batch_norm
-from .autocast import Autocast, materialize_autocast
+from .autocast import Autocast, ambient_autocast, materialize_autocast
 from .casts import half_inputs, half_skeleton, restore_master
 from .decompose import decompose_composites
 from .gelu import fuse_gelu
@@ -381,3 +382,20 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         graph.erase_node(sub_node)
         delattr(gm, sub_node.target)
     graph.lint()
+
+
+def capture(model: torch.nn.Module, meta_inputs, *, stamp_layers: bool = True,
+            mp_policy: MixedPrecisionPolicy | None = None, device: str = "cpu") -> TracedModel:
+    """The capture stage's entry point: ``model`` on ``meta_inputs`` as :class:`ColoTracer`
+    captures it (``stamp_layers``: its ``stamp``), under ``mp_policy`` and the
+    ``torch.autocast`` enabled now for ``device`` (a device type), logged with its time.
+
+    Raises:
+        CaptureError: as :class:`ColoTracer` raises it.
+    """
+    t0 = time.perf_counter()
+    traced = ColoTracer(stamp=stamp_layers, mp_policy=mp_policy,
+                        autocast=ambient_autocast(device)).trace(model, meta_inputs)
+    log.info("traced %s: %d graph nodes (%.2f s)", type(model).__name__, len(traced.gm.graph.nodes),
+             time.perf_counter() - t0)
+    return traced

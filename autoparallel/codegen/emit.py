@@ -1,0 +1,127 @@
+"""The module stage: a plan lowered into the :class:`ParallelModule` the model runs, and the
+captures of the modes and input signatures it meets later (:class:`Recapture`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed.tensor import DTensor
+
+from ..errors import AutoParallelError
+from ..mesh import MeshSpec
+from ..options import PlanOptions
+from ..passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
+from ..passes.lower import lower
+from ..placement import replicated
+from ..plan import Plan
+from ..solver.pipeline import plan_on_rank0
+from ..tracer import capture
+from .code import readable
+from .module import ParallelModule, Variant
+
+log = logging.getLogger("autoparallel")
+
+
+def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: int = 100,
+         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> ParallelModule:
+    """The :class:`ParallelModule` of ``plan`` for ``traced`` (the capture of ``model``),
+    holding ``model``'s weights in the plan's placements; also runs hand-picked plans.
+    Gradients are reduced in buckets of at most ``bucket_cap_bytes`` bytes."""
+    pmodel = ParallelModule(model, None, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
+                            constants=traced.constants, check_batch_every=check_batch_every)
+    pmodel.__dict__["bucket_cap_bytes"] = bucket_cap_bytes  # every graph of the module buckets alike
+    add_variant(pmodel, traced, plan, device_mesh, root=pmodel)  # the first graph reads the module itself
+    return pmodel
+
+
+def add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=None) -> Variant:
+    """Lower ``plan`` for ``traced`` and register the graph on ``pmodel`` (over ``root``:
+    default, the module's parameters and the capture's constants)."""
+    root = pmodel.graph_root(traced.constants) if root is None else root
+    gm = readable(lower(traced, plan, device_mesh, root, pmodel.bucket_cap_bytes))
+    return pmodel.add_variant(gm, plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
+                              input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and
+    dtypes (parameters stay ``nn.Parameter`` with the same ``requires_grad``; tied tensors
+    share one copy): enough to capture it again, and no weight is copied or kept alive.
+
+    Raises:
+        AutoParallelError: ``copy.deepcopy`` fails on an attribute of the model.
+    """
+    memo: dict[int, object] = {}
+    state = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for _, t in state:
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # an attribute deepcopy cannot copy (a lock, a process group, ...)
+        raise AutoParallelError(f"replan=True keeps a meta-device copy of {type(model).__name__} to capture it "
+                                f"again, but copy.deepcopy failed: {type(e).__name__}: {e}; make the model's "
+                                "attributes copyable, or call autoparallelize again for each input shape") from e
+
+
+class Recapture:
+    """Captures and plans the model again for a mode or an input signature a
+    :class:`ParallelModule` has no graph for: a capture of a meta skeleton of the model in the
+    module's mode (``train()``/``eval()``), a plan with every parameter and buffer pinned to its
+    placement in the module (every parameter and buffer of the model is there, so a capture
+    that reads other state than the first, e.g. no ``num_batches_tracked`` in eval mode, is
+    planned alike), a new per-device graph over the same parameters. New signatures only under
+    ``replan=True``; new modes always. Holds no reference to the model or its weights.
+
+    Attributes:
+        replan: whether new input signatures are planned (else they raise InputMismatchError).
+        captures: how many captures it made.
+    """
+
+    def __init__(self, model: nn.Module, mesh: MeshSpec, device_mesh, options: PlanOptions, *,
+                 keywords: bool, replan: bool):
+        self.skeleton, self.copy_error = None, None
+        try:
+            self.skeleton = meta_skeleton(model)
+        except AutoParallelError as e:
+            if replan:
+                raise
+            self.copy_error = e  # raised when another mode is asked for
+        self.mesh, self.device_mesh, self.options = mesh, device_mesh, options
+        self.keywords, self.replan = keywords, replan
+        self.grad_enabled = torch.is_grad_enabled()  # capture in the grad mode the first capture saw
+        self.captures = 0
+
+    def __call__(self, pmodel: ParallelModule, args, kwargs) -> Variant:
+        """Plan and add the graph for inputs ``(args, kwargs)`` (structure already checked) in
+        ``pmodel``'s mode."""
+        if self.skeleton is None:
+            raise AutoParallelError(f"{'training' if pmodel.training else 'eval'} mode has no graph yet, and "
+                                    f"capturing one failed: {self.copy_error}")
+        t0 = time.perf_counter()
+        with maybe_disable_local_tensor_mode(), torch.set_grad_enabled(self.grad_enabled):
+            meta = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(tuple(t.shape), dtype=t.dtype,
+                                                                            device="meta"),
+                                        dict(kwargs) if self.keywords else tuple(args))
+            self.skeleton.train(pmodel.training)
+            traced = capture(self.skeleton, meta, stamp_layers=self.options.stamp_layers,
+                             mp_policy=self.options.mp_policy, device=self.device_mesh.device_type)
+            self.captures += 1
+            held = list(pmodel.named_parameters(remove_duplicate=False)) + \
+                list(pmodel.named_buffers(remove_duplicate=False))
+            pinned = {name: tuple(t.placements) if isinstance(t, DTensor) else replicated(self.device_mesh.ndim)
+                      for name, t in held}
+            p = plan_on_rank0(traced, self.mesh, self.options, pinned=pinned)
+        variant = add_variant(pmodel, traced, p, self.device_mesh)
+        log.info("planned %s mode for inputs %s (%.2f s; %d graphs cached)",
+                 "training" if variant.training else "eval", [s for s, _ in variant.input_meta],
+                 time.perf_counter() - t0, len(pmodel.plans))
+        return variant
