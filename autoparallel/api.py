@@ -31,10 +31,6 @@ from .passes import apply_plan
 from .passes.apply_plan import process_groups
 from .passes.checkpoint import apply_checkpointing
 from .passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
-from .passes.fused_parts import rejoin_projection_parts
-from .passes.causal_mask import causal_masks_as_flags
-from .passes.cross_entropy import fuse_cross_entropy
-from .passes.gqa import fold_repeated_kv
 from .passes.overlap import overlap_collectives
 from .graph import tensor_inputs
 from .passes.dropout import shard_random_ops
@@ -42,6 +38,7 @@ from .pickling import ParallelGraph
 from .placement import R, Shard, Spec, replicated, spec_str, spec_to_json
 from .plan import Plan
 from .profile import profile_mesh
+from .rewrites import apply_rewrites
 from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, device_capacity, preset_capacity, resolve_budget
 from .solver.planner import Planner, written_back_outputs
@@ -689,10 +686,7 @@ def _device_graph_module(traced, plan: Plan, device_mesh, root, bucket_cap_bytes
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
-    rejoin_projection_parts(graph, traced.gm.graph)
-    fold_repeated_kv(graph, traced.gm.graph)
-    causal_masks_as_flags(graph, traced.gm.graph, plan)
-    fuse_cross_entropy(graph, traced.gm.graph)
+    apply_rewrites(graph, traced.gm.graph, plan)  # rewrites.REWRITES, in order
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages
