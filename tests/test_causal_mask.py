@@ -1,4 +1,4 @@
-"""Constant causal masks become SDPA's ``is_causal`` flag (autoparallel/passes/causal_mask.py):
+"""Constant causal masks become SDPA's ``is_causal`` flag (autoparallel/rewrites/causal_mask.py):
 only a mask that depends on no input and evaluates to the causal mask, and only where the plan
 keeps the sequence whole; the loss and every gradient still equal one device's."""
 

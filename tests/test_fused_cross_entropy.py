@@ -1,5 +1,5 @@
 """The per-device cross-entropy over whole classes with a one-pass backward
-(autoparallel/passes/cross_entropy.py, runtime_kernels.cross_entropy.cross_entropy_loss): torch's
+(autoparallel/rewrites/cross_entropy.py, runtime_kernels.cross_entropy.cross_entropy_loss): torch's
 loss bitwise and its gradient to rounding, for every reduction, ignored rows and dtype; only
 the plain case (no class weight, no label smoothing) is rewritten; parity holds."""
 

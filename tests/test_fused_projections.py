@@ -277,7 +277,7 @@ def _count(pmodel, target) -> int:
 def test_parts_rejoined_where_a_device_computes_them_whole(mesh_shape, sim_mesh):
     """Data parallel: every device computes ``c_attn`` from its whole weight, so the emitted graph
     runs one ``addmm`` and one ``split_with_sizes`` per layer, as eager GPT-2 does, instead of three
-    products on slices of the weight (passes/fused_parts.py); the loss and every gradient equal one
+    products on slices of the weight (rewrites/fused_parts.py); the loss and every gradient equal one
     device's. With the heads split the parts stay apart (test_gpt2_attention_split_by_heads)."""
     pytest.importorskip("transformers")
     from models import batch_for

@@ -1,4 +1,4 @@
-"""Grouped-query attention handed to SDPA unrepeated (autoparallel/passes/gqa.py): HF Llama's
+"""Grouped-query attention handed to SDPA unrepeated (autoparallel/rewrites/gqa.py): HF Llama's
 ``repeat_kv`` copies, captured by torch.export, become ``enable_gqa=True`` in the per-device
 graph, and the loss and every gradient still equal one device's, with attention whole on each
 device (data parallel) and split by heads (tensor parallel)."""

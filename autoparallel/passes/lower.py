@@ -10,12 +10,9 @@ import torch.fx as fx
 from ..pickling import ParallelGraph
 from ..plan import Plan
 from .apply_plan import apply_plan, process_groups
-from .causal_mask import causal_masks_as_flags
+from ..rewrites import apply_rewrites
 from .checkpoint import apply_checkpointing
-from .cross_entropy import fuse_cross_entropy
 from .dropout import shard_random_ops
-from .fused_parts import rejoin_projection_parts
-from .gqa import fold_repeated_kv
 from .overlap import overlap_collectives
 
 
@@ -26,10 +23,8 @@ def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.Gr
     and constants).
 
     The passes, in order: :func:`apply_plan` (local shapes, collectives, gradient buckets of
-    at most ``bucket_cap_bytes`` bytes), per-shard random ops, the emit-time rewrites (fused
-    projections rejoined where a device computes them from one whole weight, grouped-query
-    attention given to SDPA unrepeated, constant causal masks as ``is_causal``,
-    cross-entropies over whole classes with a one-pass backward), activation checkpointing,
+    at most ``bucket_cap_bytes`` bytes), per-shard random ops, the emit-time rewrites of
+    :data:`autoparallel.rewrites.REWRITES` in their order, activation checkpointing,
     then the forward's collectives scheduled for overlap.
     """
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
@@ -38,10 +33,7 @@ def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.Gr
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
-    rejoin_projection_parts(graph, traced.gm.graph)
-    fold_repeated_kv(graph, traced.gm.graph)
-    causal_masks_as_flags(graph, traced.gm.graph, plan)
-    fuse_cross_entropy(graph, traced.gm.graph)
+    apply_rewrites(graph, traced.gm.graph, plan)  # the registry the memory model reads too
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
     if plan.checkpoint:
         stages = plan.checkpoint.stages

@@ -40,9 +40,12 @@ captured graph runs once, alone, on FakeTensors of the run device under
 kernel saving logsumexp instead of the probabilities) are those of the real run. Saved
 tensors are matched to the op's inputs and outputs by storage, then to the graph values
 owning those storages (through views, in-place ops and getitems). An op that cannot run
-alone on FakeTensors is assumed to save every input that needs a gradient. The model
-ignores allocator fragmentation and the workspace of kernels; collectives' buffers count
-as the redistributed tensors they produce, except the gradient buckets above.
+alone on FakeTensors is assumed to save every input that needs a gradient. Where an emit-time
+rewrite changes what an op keeps (SDPA's key and value unrepeated, a causal mask's copy gone),
+the size is the rewritten graph's: :func:`autoparallel.rewrites.saved_size`, from the registry
+the lowering runs. The model ignores allocator fragmentation and the workspace of kernels;
+collectives' buffers count as the redistributed tensors they produce, except the gradient
+buckets above.
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .. import rewrites
 from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..graph import alias_source, output_leaves, tensor_inputs
-from ..attention import SDPA, constant_causal_mask, repeated_kv, sequence_whole
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 
@@ -424,8 +427,6 @@ class MemoryModel:
             if info.requires_grad and info.outputs[i][1].is_floating_point:
                 items.append(Item("temporaries", u, back - end, back - step[u], out_size(u, i)))
         first_saver: dict = {}
-        causal = {n: m for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA
-                  for m in [constant_causal_mask(n)] if m is not None}  # run as is_causal where sequences are whole
         for rec in saved:
             key = rec.value if rec.value is not None else id(rec)
             if key not in first_saver or step[rec.saver] < step[first_saver[key].saver]:
@@ -434,9 +435,7 @@ class MemoryModel:
             n = rec.saver
             start, end = step[n], back - step[n]
             if rec.value is None:
-                size = self._internal_size(n, rec.nbytes, rec.shape)
-                if n in causal and rec.shape == node_info(causal[n]).shape:  # the mask SDPA converts
-                    size = lambda s, inner=size: 0 if sequence_whole(s.inputs) else inner(s)
+                size = rewrites.saved_size(n, None, rec.shape, self._internal_size(n, rec.nbytes, rec.shape))
                 items.append(Item("activations", n, start, end, size))
                 if rec.floating and node_info(n).requires_grad:  # its gradient, inside the op's backward
                     items.append(Item("temporaries", n, end, end, size))
@@ -449,11 +448,8 @@ class MemoryModel:
             if rec.input_pos is not None:
                 x = tensor_inputs(n)[rec.input_pos][1]
                 shape, dtype = node_info(x).outputs[0]
-                j, repeats = rec.input_pos, repeated_kv(n).get(x, 1)  # kept unrepeated as emitted
-                items.append(Item("activations", n, start, end,
-                                  lambda s, sh=shape, dt=dtype, j=j, r=repeats:
-                                  _local_bytes(sh, dt, s.inputs[j], self.mesh_shape) // r,
-                                  value=u))
+                size = lambda s, sh=shape, dt=dtype, j=rec.input_pos: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape)
+                items.append(Item("activations", n, start, end, rewrites.saved_size(n, x, shape, size), value=u))
             else:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
         items += self._returned_items(gm, aliases, outputs, whole_outputs)

@@ -1,25 +1,4 @@
-"""Rejoin the parts of a fused projection that a device computes from one whole weight.
-
-Capture splits a fused projection (GPT-2's ``c_attn``, a ``qkv_proj``, a ``gate_up_proj``) into
-one product per part on a slice of the weight (:mod:`autoparallel.tracer.fused`), so that the
-planner can split each part by heads. Where the plan does not, the per-device graph still runs
-one product per part: on GPT-2 per layer two more GEMMs in the forward, and in the backward
-four more GEMMs and, per slice, a zero-filled buffer of the whole weight's size that autograd
-then adds (``slice_backward``).
-
-:func:`rejoin_projection_parts` undoes the split on the per-device graph wherever it is an
-identity on the local tensors: when parts run the same op on the same operands except for
-slices ``[s, e)`` of the same weight (and bias) along their out-features dim, and the slices
-tile that dim of the local tensor, then
-
-    addmm(b[s:e], x, W[:, s:e]) == addmm(b, x, W)[..., s:e]
-
-column for column (each output element is the same dot product; the GEMM may block it in
-another order, as the fused op the user wrote did). The parts become ``getitem``s of one
-``split_with_sizes`` of the fused product's last dim: the graph eager PyTorch runs for the
-model, whose backward concatenates the parts' gradients once. Everything the plan decided
-(placements, collectives, their order) stays as it was; the pass only sees local ops.
-"""
+"""The parts of a fused projection that a device computes from one whole weight, rejoined."""
 
 from __future__ import annotations
 
@@ -29,33 +8,70 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from ..graph import op_args
 from ..tracer.fused import SLICED_OPERANDS
+from .base import Rewrite, Size
 
 aten = torch.ops.aten
 
 
-def rejoin_projection_parts(graph: fx.Graph, traced: fx.Graph) -> int:
-    """Rewrite, in place, every group of parts of a fused projection in ``graph`` (a per-device
-    graph of :func:`~autoparallel.passes.apply_plan`, whose nodes name their traced node in
-    ``meta["source"]``) into one product and a ``split_with_sizes`` (module docstring).
-    ``traced`` is the captured graph: it gives the size of each sliced dim. Returns how many
-    groups were rejoined; the caller recompiles."""
-    traced_nodes = {n.name: n for n in traced.nodes}
-    groups: dict[tuple, list[tuple[int, int, fx.Node]]] = defaultdict(list)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in SLICED_OPERANDS:
-            part = _as_part(node, traced_nodes)
-            if part is not None:
-                key, start, end = part
-                groups[key].append((start, end, node))
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    rejoined = 0
-    for key, parts in groups.items():
-        parts.sort(key=lambda p: p[0])
-        if len(parts) > 1 and _tiles(parts, key[-1]):
-            _rejoin(graph, key, parts, min((p[2] for p in parts), key=order.__getitem__))
-            rejoined += 1
-    return rejoined
+class FusedProjectionParts(Rewrite):
+    """One product and a ``split_with_sizes`` for the parts of a fused projection, where a device
+    computes them all from one whole weight.
+
+    Matches: products (``addmm``, ``mm``, ``bmm``, ``linear``, ``matmul``) that run the same op on
+    the same operands except for slices ``[s, e)`` of the same weight (and bias) along their
+    out-features dim, where the local slices are the captured ones and tile that dim of the local
+    tensor. Capture splits a fused projection (GPT-2's ``c_attn``, a ``qkv_proj``, a
+    ``gate_up_proj``) into one product per part on a slice of the weight
+    (:mod:`autoparallel.tracer.fused`), so that the planner can split each part by heads. Where
+    the plan does not (data parallel, FSDP, a 1-device mesh), the per-device graph would still
+    run one product per part: on GPT-2 per layer two more GEMMs in the forward, and in the
+    backward four more GEMMs and, per slice, a zero-filled buffer of the whole weight's size
+    that autograd then adds (``slice_backward``). A heads-split plan reads each slice through
+    its own redistribution and is left alone.
+
+    Exact: ``addmm(b[s:e], x, W[:, s:e]) == addmm(b, x, W)[..., s:e]`` column for column (each
+    output element is the same dot product; the GEMM may block it in another order, as the
+    fused op the user wrote did). The parts become ``getitem``s of one ``split_with_sizes`` of
+    the fused product's last dim: the graph eager PyTorch runs for the model, whose backward
+    concatenates the parts' gradients once. Everything the plan decided (placements,
+    collectives, their order) stays as it was; the rewrite only sees local ops.
+
+    Memory: none the model counts. The rejoined product keeps the same input and the weight
+    (whose slices are views of it) for its backward; the ``slice_backward`` buffers it removes
+    are backward temporaries the model does not count.
+    """
+
+    name = "fused_parts"
+
+    def applies(self, node: fx.Node) -> bool:
+        """``node`` is a product on a slice of a weight along its out-features dim (a part)."""
+        return node.target in SLICED_OPERANDS and any(
+            isinstance(w := op_args(node).get(name), fx.Node) and w.target is aten.slice.Tensor
+            for name, _ in SLICED_OPERANDS[node.target])
+
+    def saved_size(self, saver: fx.Node, operand: fx.Node | None, shape: tuple[int, ...], size: Size) -> Size:
+        """Unchanged (class docstring)."""
+        return size
+
+    def apply(self, graph: fx.Graph, source_graph: fx.Graph, plan) -> int:
+        traced_nodes = {n.name: n for n in source_graph.nodes}
+        groups: dict[tuple, list[tuple[int, int, fx.Node]]] = defaultdict(list)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in SLICED_OPERANDS:
+                part = _as_part(node, traced_nodes)
+                if part is not None:
+                    key, start, end = part
+                    groups[key].append((start, end, node))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        rejoined = 0
+        for key, parts in groups.items():
+            parts.sort(key=lambda p: p[0])
+            if len(parts) > 1 and _tiles(parts, key[-1]):
+                _rejoin(graph, key, parts, min((p[2] for p in parts), key=order.__getitem__))
+                rejoined += 1
+        return rejoined
 
 
 def _as_part(node: fx.Node, traced_nodes: dict[str, fx.Node]):

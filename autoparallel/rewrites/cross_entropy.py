@@ -1,0 +1,63 @@
+"""The per-device cross-entropy with a one-pass backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..graph import op_args
+from ..runtime_kernels.cross_entropy import cross_entropy_loss
+from .base import Rewrite, Size
+
+aten = torch.ops.aten
+
+
+class OnePassCrossEntropy(Rewrite):
+    """:func:`~autoparallel.runtime_kernels.cross_entropy.cross_entropy_loss` for
+    ``aten.cross_entropy_loss`` over whole classes.
+
+    Matches: an ``aten.cross_entropy_loss`` of the per-device graph (the plan keeps the class
+    dim of the logits whole: data parallel, a 1-device mesh, any split of the rows) whose
+    captured logits are ``(N, C)`` and class indices int64 ``(N,)``, with no class weight and no
+    label smoothing (a vocab-parallel loss is a different op,
+    :func:`~autoparallel.runtime_kernels.cross_entropy.vocab_parallel_cross_entropy`). Autograd
+    derives that op's backward through ``nll_loss`` and ``log_softmax``: a zero buffer of the
+    logits' size, the target's gradient scattered into it, ``log_softmax_backward`` over it.
+
+    Exact: the kernel runs the same forward ops, so the loss is torch's; its backward,
+    ``exp(log_softmax) · g`` with ``g`` subtracted at each target, equals autograd's up to
+    rounding (the kernel's docstring). The plan and its collectives are unchanged.
+
+    Memory: the kernel's backward holds one logits-sized buffer instead of two; the model keeps
+    counting autograd's (an overestimate of one logits-sized buffer at the loss's backward step,
+    docs/design.md, "A margin over DDP from the graph").
+    """
+
+    name = "cross_entropy"
+
+    def applies(self, node: fx.Node) -> bool:
+        """``node`` is a cross-entropy on 2-D logits and int64 targets, no weight, no smoothing."""
+        if node.target is not aten.cross_entropy_loss.default:
+            return False
+        a = op_args(node)
+        x, t = a["self"].meta.get("val"), a["target"].meta.get("val")
+        return (a["weight"] is None and a["label_smoothing"] == 0.0 and isinstance(x, torch.Tensor) and x.dim() == 2
+                and isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int64)
+
+    def saved_size(self, saver: fx.Node, operand: fx.Node | None, shape: tuple[int, ...], size: Size) -> Size:
+        """Unchanged: the overestimate the class docstring names."""
+        return size
+
+    def apply(self, graph: fx.Graph, source_graph: fx.Graph, plan) -> int:
+        traced_nodes = {n.name: n for n in source_graph.nodes}
+        count = 0
+        for node in graph.nodes:
+            source = traced_nodes.get(node.meta.get("source"))
+            if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default or source is None \
+                    or not self.applies(source):
+                continue
+            a = op_args(node)
+            node.target = cross_entropy_loss
+            node.args, node.kwargs = (a["self"], a["target"], a["reduction"], a["ignore_index"]), {}
+            count += 1
+        return count
