@@ -143,14 +143,17 @@ def coverage(model: nn.Module, meta_inputs, *, stamp_layers: bool = True) -> Cov
 
 
 def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: PlanOptions | None = None,
-                    mesh_spec: MeshSpec | None = None, plan: Plan | str | None = None, replan: bool = False,
+                    mesh_spec: MeshSpec | None = None, plan: Plan | str | None = None, replan: bool = True,
                     check_batch_every: int = 100, bucket_cap_mb: float = 25, **keywords) -> ParallelModule:
-    """Parallelize ``model`` over ``device_mesh``: the one line.
+    """Parallelize ``model`` over ``device_mesh`` in place: the one line.
 
     Args:
         model: the model with its real weights (every rank may hold any values: rank 0's
-            are distributed). The returned module takes the weights over (it holds sharded
-            copies; the model's own tensors are not updated by training it).
+            are distributed). It is parallelized in place and returned, as FSDP2's
+            ``fully_shard`` does: it keeps its class (as a subclass,
+            :class:`~autoparallel.ParallelModule`), submodules, attributes and methods; its
+            parameters are replaced, under the same names, by the plan's (build the optimizer
+            after the call; one built before raises at ``step()``).
         meta_inputs: dict of keyword arguments or tuple of positional ones: meta tensors
             or FakeTensors with the **global** batch shapes, and the non-tensor arguments
             the module will be called with (``use_cache=False``), whose values are planned for.
@@ -171,15 +174,17 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
         plan: a :class:`Plan` (or its JSON) to run instead of planning, e.g. one saved with
             ``plan.to_json()`` or edited by hand; it is validated against the captured graph
             (:func:`autoparallel.validate.validate_plan`) on every rank.
-        replan: when a call's inputs have other tensor shapes or dtypes, or other non-tensor
-            values, than ``meta_inputs`` (same structure and keywords; e.g. the smaller last
-            batch of an epoch), capture and plan the model again for them, with every
-            parameter and buffer pinned to the placement the module holds, and cache the new
-            graph by input signature; ``False`` (default) raises InputMismatchError instead.
-            Costs one capture and one ILP solve per new signature (seconds), on the call that
-            first sees it, on every rank (the plan is solved on rank 0 and broadcast). A new
-            mode (``pmodel.eval()`` after planning in training mode) is captured and planned
-            the same way whatever ``replan`` says.
+        replan: when a call with grad enabled has other inputs than ``meta_inputs`` (other
+            keywords, tensor shapes or dtypes, non-tensor values; e.g. no ``labels``, or the
+            smaller last batch of an epoch), capture and plan the model again for them, with
+            every parameter and buffer pinned to the placement the model holds, and cache the
+            new graph (default); ``False`` raises InputMismatchError instead. Costs one
+            capture and one ILP solve per new call (seconds), on the call that first sees it,
+            on every rank (the plan is solved on rank 0 and broadcast). A new mode
+            (``model.eval()`` after planning in training mode) is captured and planned the
+            same way whatever ``replan`` says. A new call under ``torch.no_grad()``
+            (``generate``) runs the model's own forward on whole parameters instead
+            (:class:`~autoparallel.ParallelModule`).
         check_batch_every: compare a fingerprint of the inputs across ranks on the first call
             and every this many calls (one all-reduce of two float64 numbers per input);
             ranks that pass different batches raise InputMismatchError. ``0`` never checks.
@@ -189,7 +194,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
             :mod:`autoparallel.passes.grad_buckets`).
 
     Returns:
-        a :class:`ParallelModule`: call it like the model, with the global batch on every rank.
+        ``model``, now a :class:`ParallelModule`: call it as before, with the global batch
+        on every rank.
 
     Raises:
         MeshMismatchError: the mesh does not span the whole process group.
@@ -219,7 +225,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
             validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
         recapture = Recapture(model, mesh, device_mesh, opts, keywords=isinstance(meta_inputs, dict), replan=replan)
     pmodel = emit(model, traced, plan, device_mesh, check_batch_every=check_batch_every, bucket_cap_bytes=cap)
-    pmodel.__dict__["_recapture"] = recapture
+    pmodel._ap.recapture = recapture
     return pmodel
 
 

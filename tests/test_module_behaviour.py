@@ -129,7 +129,7 @@ def test_non_tensor_arguments_are_part_of_the_signature(sim_mesh):
     meta = dict(to_meta(batch), use_cache=False, return_dict=True)
     with LocalTensorMode(RANKS2):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh,
-                                              cost_model=ShardParams("cpu"))
+                                              cost_model=ShardParams("cpu"), replan=False)
         got = pmodel(**batch, use_cache=False, return_dict=True)
         assert_close("loss", got.loss.detach(), ref(**batch, use_cache=False, return_dict=True).loss.detach())
         with pytest.raises(autoparallel.InputMismatchError) as info:
@@ -139,7 +139,7 @@ def test_non_tensor_arguments_are_part_of_the_signature(sim_mesh):
 
     with LocalTensorMode(RANKS2):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh,
-                                              cost_model=ShardParams("cpu"), replan=True)
+                                              cost_model=ShardParams("cpu"))
         got = pmodel(**batch, use_cache=False, return_dict=False)
     assert isinstance(got, tuple)
     assert_close("tuple loss", got[0].detach(), ref(**batch, use_cache=False, return_dict=False)[0].detach())

@@ -60,14 +60,14 @@ def test_gpt2_replans_smaller_batch_and_sequence(sim_mesh):
     ref_opt.step()
     check_step(pmodel, ref, batch_for("gpt2", 2), ranks, "back at batch 8 after a step")
     check_step(pmodel, ref, batch_for("gpt2", 3, batch=4, seq=8), ranks, "batch 4 again")
-    assert len(pmodel.plans) == 2 and pmodel._recapture.captures == 1  # the cached graph was reused
+    assert len(pmodel.plans) == 2 and pmodel._ap.recapture.captures == 1  # the cached graph was reused
 
 
 def test_without_replan_the_error_names_input_shapes_and_the_option(sim_mesh):
     mesh = sim_mesh((2,))
     batch = batch_for("mlp", 0)
     with LocalTensorMode(frozenset(range(2))):
-        pmodel = autoparallel.autoparallelize(MLP(), to_meta(batch), device_mesh=mesh)
+        pmodel = autoparallel.autoparallelize(MLP(), to_meta(batch), device_mesh=mesh, replan=False)
         with pytest.raises(autoparallel.InputMismatchError) as info:
             pmodel(x=batch["x"][:4], y=batch["y"][:4])
     msg = str(info.value)
@@ -89,9 +89,9 @@ def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
     monkeypatch.setattr(autoparallel.tracer.ColoTracer, "trace", counting)
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), to_meta(batch_for("mlp", 0)), device_mesh=mesh,
-                                              cost_model=ShardParams("cpu"), replan=True)
+                                              cost_model=ShardParams("cpu"))
     assert len(captures) == 1
-    skeleton = pmodel._recapture.skeleton
+    skeleton = pmodel._ap.recapture.skeleton
     assert all(t.device.type == "meta" for t in list(skeleton.parameters()) + list(skeleton.buffers()))
     for batch in (4, 4, 8, 2, 4, 8):
         check_step(pmodel, ref, batch_for("mlp", batch, batch=batch), ranks, f"batch {batch}")
@@ -99,8 +99,9 @@ def test_replan_keeps_placements_and_caches_by_signature(sim_mesh, monkeypatch):
     assert [sig[0][0] for _, sig in pmodel.plans] == [(8, 256), (4, 256), (2, 256)]
     for p in pmodel.plans.values():
         assert p.param_placements == pmodel.plan.param_placements
+    pmodel._ap.recapture.replan = False
     with LocalTensorMode(ranks), pytest.raises(autoparallel.InputMismatchError, match="keyword arguments"):
-        pmodel(x=torch.randn(4, 256))  # structure and keywords are never re-planned
+        pmodel(x=torch.randn(4, 256))  # without replan, a call with other keywords is refused
 
 
 def test_a_pin_no_strategy_keeps_names_the_parameter():

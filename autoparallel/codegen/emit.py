@@ -23,28 +23,27 @@ from ..plan import Plan
 from ..solver.pipeline import plan_on_rank0
 from ..tracer import capture
 from .code import readable
-from .module import ParallelModule, Variant
+from .module import ParallelModule, Variant, module_state, parallelize_in_place
 
 log = logging.getLogger("autoparallel")
 
 
 def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: int = 100,
          bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> ParallelModule:
-    """The :class:`ParallelModule` of ``plan`` for ``traced`` (the capture of ``model``),
-    holding ``model``'s weights in the plan's placements; also runs hand-picked plans.
-    Gradients are reduced in buckets of at most ``bucket_cap_bytes`` bytes."""
-    pmodel = ParallelModule(model, None, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
-                            constants=traced.constants, check_batch_every=check_batch_every)
-    pmodel.__dict__["bucket_cap_bytes"] = bucket_cap_bytes  # every graph of the module buckets alike
-    add_variant(pmodel, traced, plan, device_mesh, root=pmodel)  # the first graph reads the module itself
+    """Make ``model`` parallel in place by ``plan`` for ``traced`` (its capture): its
+    parameters in the plan's placements, its forward the per-device graph
+    (:class:`ParallelModule`); also runs hand-picked plans. Gradients are reduced in
+    buckets of at most ``bucket_cap_bytes`` bytes. Returns ``model``."""
+    pmodel = parallelize_in_place(model, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
+                                  check_batch_every=check_batch_every, bucket_cap_bytes=bucket_cap_bytes)
+    add_variant(pmodel, traced, plan, device_mesh)
     return pmodel
 
 
-def add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh, root=None) -> Variant:
-    """Lower ``plan`` for ``traced`` and register the graph on ``pmodel`` (over ``root``:
-    default, the module's parameters and the capture's constants)."""
-    root = pmodel.graph_root(traced.constants) if root is None else root
-    gm = readable(lower(traced, plan, device_mesh, root, pmodel.bucket_cap_bytes))
+def add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh) -> Variant:
+    """Lower ``plan`` for ``traced`` and register the graph on ``pmodel`` (reading its
+    parameters and the capture's constants)."""
+    gm = readable(lower(traced, plan, device_mesh, pmodel.graph_root(traced.constants), pmodel._ap.bucket_cap_bytes))
     return pmodel.add_variant(gm, plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
                               input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
 
@@ -112,6 +111,7 @@ class Recapture:
                                                                             device="meta"),
                                         dict(kwargs) if self.keywords else tuple(args))
             self.skeleton.train(pmodel.training)
+            _copy_attributes(pmodel, self.skeleton)
             traced = capture(self.skeleton, meta, stamp_layers=self.options.stamp_layers,
                              mp_policy=self.options.mp_policy, device=self.device_mesh.device_type)
             self.captures += 1
@@ -125,3 +125,12 @@ class Recapture:
                  "training" if variant.training else "eval", [s for s, _ in variant.input_meta],
                  time.perf_counter() - t0, len(pmodel.plans))
         return variant
+
+
+def _copy_attributes(model: nn.Module, skeleton: nn.Module) -> None:
+    """Give ``skeleton``'s modules the plain attributes ``model``'s have now (``dropout.p`` set
+    after the call), so that its capture computes what the model does."""
+    mine = dict(skeleton.named_modules())
+    for name, key, value in module_state(model)[0]:
+        if name in mine:
+            mine[name].__dict__[key] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -11,12 +12,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from ..errors import InputMismatchError
+from ..errors import AutoParallelError, InputMismatchError
 from ..fqn import get_attr, set_attr
-from ..pickling import NotPicklable, ParallelGraph
+from ..pickling import NotPicklable
 from ..plan import Plan
-from ..runtime_kernels import per_rank
+from ..runtime_kernels import input_with_full_grad, per_rank
+from ..runtime_kernels.grad_reduction import gradient_sync
 from .batch_check import BatchCheck
+from .eager import EagerRunner, retire
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
@@ -104,13 +107,6 @@ def _describe(entry) -> str:
     return f"shape {shape} and dtype {other}" if shape is not None else f"value {other!r}"
 
 
-def _argument_name(path) -> str:
-    """``labels`` for a keyword argument, ``positional argument 0`` for a positional one."""
-    if path and getattr(path[0], "idx", None) == 1:
-        return pytree.keystr(path[1:]).strip("[]'\"")
-    return f"positional argument {pytree.keystr(path[1:])}"
-
-
 @dataclass
 class Variant:
     """One per-device graph of a :class:`ParallelModule` and what it was made for.
@@ -141,99 +137,176 @@ class Variant:
         return self.training, input_signature(self.input_meta)
 
 
+class _Entry:
+    """A signature entry as a pytree leaf (so that it is not flattened again)."""
+
+    def __init__(self, entry):
+        self.entry = entry
+
+
+def _key(training: bool, args, kwargs, attributes: tuple, entry) -> tuple:
+    kw = {k: kwargs[k] for k in sorted(kwargs)}  # keyword order does not make another call
+    leaves, spec = pytree.tree_flatten((tuple(args), kw), is_leaf=lambda x: isinstance(x, _Entry))
+    return training, spec, tuple(entry(x) for x in leaves), attributes
+
+
+def call_key(training: bool, args, kwargs, attributes: tuple) -> tuple:
+    """What picks the per-device graph of a call: the mode, the input structure (keywords in
+    any order), the :data:`Signature` and the submodules' plain attributes
+    (:func:`module_state`)."""
+    return _key(training, args, kwargs, attributes, lambda x: leaf_signature([x])[0])
+
+
+def variant_key(variant: Variant, attributes: tuple) -> tuple:
+    """The :func:`call_key` of the calls ``variant`` was made for."""
+    args, kwargs = pytree.tree_unflatten([_Entry(e) for e in input_signature(variant.input_meta)], variant.in_spec)
+    return _key(variant.training, args, kwargs, attributes, lambda x: x.entry)
+
+
+def graph_inputs(variant: Variant, args, kwargs) -> list:
+    """The flat inputs of ``variant``'s graph for a call: keywords in the order it was captured with."""
+    order = variant.in_spec.child(1).context if variant.in_spec.num_children > 1 else []
+    return pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in order}))
+
+
+def mismatch(variant: Variant, args, kwargs) -> str:
+    """What differs between a call and the one ``variant`` was made for: its keywords, its
+    structure, or the first argument whose shape, dtype or value differs."""
+    planned = variant.in_spec.child(1).context if variant.in_spec.num_children > 1 else []
+    if set(kwargs) != set(planned or []):
+        return f"keyword arguments {sorted(kwargs)} differ from the planned ones {sorted(planned or [])}"
+    with_paths, spec = pytree.tree_flatten_with_path((tuple(args), {k: kwargs[k] for k in planned}))
+    if spec != variant.in_spec:
+        return f"input structure {spec} differs from the planned {variant.in_spec}"
+    for (path, x), want in zip(with_paths, input_signature(variant.input_meta)):
+        got = leaf_signature([x])[0]
+        if got != want:
+            return f"argument {_argument_name(path)} has {_describe(got)}, but the plan was made for {_describe(want)}"
+    return "the inputs match, but the submodules' attributes or the mode differ"
+
+
+def _argument_name(path) -> str:
+    """``labels`` for a keyword argument, ``positional argument 0`` for a positional one."""
+    if path and getattr(path[0], "idx", None) == 1:
+        return pytree.keystr(path[1:]).strip("[]'\"")
+    return f"positional argument {pytree.keystr(path[1:])}"
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def module_state(model: nn.Module) -> tuple[tuple, list[str]]:
+    """The plain attributes of every module below ``model`` (``dropout.p``, a flag; the
+    captured graph depends on them, so a change is captured again), and the names of the
+    submodules with forward hooks (which a per-device graph cannot run)."""
+    attributes, hooked = [], []
+    for name, m in model.named_modules():
+        attributes += [(name, k, v) for k, v in m.__dict__.items() if isinstance(v, _PLAIN) and k != "training"]
+        if name and (m._forward_hooks or m._forward_pre_hooks):
+            hooked.append(name)
+    return tuple(attributes), hooked
+
+
+@dataclass
+class _State:
+    """What a model parallelized in place keeps beside its own attributes (in its ``__dict__``
+    under ``_autoparallel``): the mesh, this device's coordinate, the per-device graphs by call
+    key, the capture of new modes and signatures, and the cross-rank batch check."""
+
+    device_mesh: object
+    coord: torch.Tensor
+    batch_check: BatchCheck
+    bucket_cap_bytes: int
+    holds_dtensors: bool
+    variants: dict = field(default_factory=dict)
+    recapture: object = None
+    eager: EagerRunner = field(default_factory=EagerRunner)
+    no_sync: bool = False
+
+
 class ParallelModule(NotPicklable, nn.Module):
-    """The parallel module: same call signature and outputs as the original model.
+    """The class a model parallelized by :func:`autoparallel.autoparallelize` takes on: a
+    subclass of this mixin and of the model's own class (``AutoParallelGPT2LMHeadModel``),
+    so ``isinstance(model, GPT2LMHeadModel)`` holds and the model keeps its submodules,
+    attributes and methods (``config``, ``generate``, ``save_pretrained``), as FSDP2's
+    ``fully_shard`` does. Only ``forward`` changes: it runs the per-device graph of the plan.
 
-    Parameters are ``nn.Parameter``s holding DTensors on ``device_mesh`` (plain tensors, as
-    under DDP, where the plan replicates every parameter and buffer on every device:
-    ``holds_dtensors`` is then false, and the optimizer step runs without DTensor's dispatch),
-    registered under the original model's names (tied parameters stay one object), so ``torch.optim``,
-    ``clip_grad_norm_`` and ``state_dict()`` work unchanged; ``load_state_dict`` also takes
-    a plain state dict (full tensors, e.g. the model's own or pretrained weights) and
-    shards it like the module's parameters (rank 0's values). Inputs are the global batch,
-    the same on every rank (checked, see ``check_batch_every``); outputs come in the model's
-    output structure (e.g. a Hugging Face ``ModelOutput``): plain whole tensors where the
-    plan returns them replicated (a loss; every output under ``outputs="replicated"``; a
-    loss summed over devices that needs grad is a
-    :class:`~autoparallel.runtime_kernels.grad_reduction.PendingSum`, whose all-reduce is
-    waited when it is read or the backward ends), DTensors in the plan's placements where it
-    returns them sharded (``.full_tensor()`` gives the whole value). Buffers the forward
-    updates in place (BatchNorm's running statistics) are graph outputs
-    (``buffer_mutations``: flat output index → buffer name), copied into the buffers' local
-    tensors after every forward.
+    Parameters are the model's, under the same names, replaced by ``nn.Parameter``s holding
+    DTensors on ``device_mesh`` (plain tensors, as under DDP, where the plan replicates every
+    parameter and buffer: ``holds_dtensors`` is then false), so ``torch.optim`` built over
+    ``model.parameters()`` after the call, ``clip_grad_norm_`` and ``state_dict()`` work
+    unchanged; an optimizer built before the call holds the replaced parameters and raises
+    AutoParallelError at its ``step()``. ``load_state_dict`` also takes full tensors (a
+    single-device checkpoint) and shards them (rank 0's values). Outputs come in the
+    model's output structure: whole tensors where the plan returns them replicated (a loss),
+    DTensors where it returns them sharded (``.full_tensor()`` gives the whole value). The
+    gradient reaching an input that requires grad is the single-device one. Buffers the
+    forward updates (BatchNorm's statistics) are written back after every forward.
 
-    One graph per mode and input signature. ``train()`` / ``eval()`` behave as on the model:
-    the first call in a mode the module has no graph for captures the model again in that
-    mode (dropout off and BatchNorm on running statistics in eval) and plans it with every
-    parameter pinned where it is (seconds, once per mode and signature). Non-tensor
-    arguments (``use_cache=False``) are part of the signature: another value raises
-    InputMismatchError naming the argument, or is planned anew under ``replan=True``, like a
-    tensor input of a new shape or dtype (the smaller last batch of an epoch).
+    Calls: one per-device graph per mode (``train()``/``eval()``), input structure and
+    signature (shapes, dtypes, non-tensor values) and the plain attributes of the submodules
+    (``dropout.p``). A call none of them was made for is captured and planned on first use
+    with every parameter kept where it is (seconds, once), or, under ``torch.no_grad()`` with a
+    signature never planned (``generate``'s steps), run eagerly by the model's own forward on
+    whole parameters (gathered once and reused until they change), which also fires forward
+    hooks registered on submodules. A call with grad enabled while a submodule has a forward
+    hook raises (the graph runs no submodule).
 
     Attributes:
-        plan: the :class:`~autoparallel.Plan` made for the planned inputs and mode.
-        graph_module: the per-device ``fx.GraphModule`` of that plan;
-            ``print(pmodel.graph_module.code)`` shows its collectives.
-        plans / graph_modules: ``(training, input signature)`` → plan / graph module, every
-            mode and re-plan included.
-        holds_dtensors: whether parameters and buffers are DTensors (false: plain tensors,
-            the plan replicating every one of them on every device).
+        plan / graph_module: the first plan and its per-device ``fx.GraphModule``
+            (``print(model.graph_module.code)`` shows its collectives).
+        plans / graph_modules: call key → plan / graph module, every mode and re-plan included.
+        holds_dtensors: whether parameters and buffers are DTensors.
+        device_mesh: the mesh the model runs on.
 
     Raises (on call):
-        InputMismatchError: inputs whose structure or keywords differ from the planned ones,
-            (without ``replan=True``) whose shapes, dtypes or non-tensor values do, or ranks
-            that pass different batches.
-        AutoParallelError (a subclass): when capturing or planning a new mode or signature
-            fails, e.g. CaptureError, or InfeasiblePlanError under a memory budget.
+        InputMismatchError: a new signature with grad enabled when built with
+            ``replan=False``, or ranks that pass different batches.
+        AutoParallelError (a subclass): when capturing or planning a new call fails, or a
+            submodule has a forward hook on a call with grad enabled.
     """
 
-    def __init__(self, model: nn.Module, graph: fx.Graph | None, plan: Plan, device_mesh, *, in_spec=None,
-                 out_spec=None, input_meta=None, param_names: dict[str, list[str]],
-                 buffer_names: dict[str, list[str]], constants: dict[str, torch.Tensor],
-                 buffer_mutations: dict[int, str] | None = None, check_batch_every: int = 100):
-        super().__init__()
-        self.__dict__["_coord"] = _mesh_coord(device_mesh)  # first: it refuses meshes no numbering fits
-        self.plan = plan
-        self.device_mesh = device_mesh
-        self.training = model.training
-        self.__dict__["_variants"] = {}  # (training, input signature) -> Variant; the first is the planned one
-        self.__dict__["_recapture"] = None  # set by autoparallelize: captures and plans a new mode or signature
-        self.__dict__["_batch_check"] = BatchCheck(device_mesh, check_batch_every)
-        device = device_mesh.device_type
-        # every parameter and buffer of the model, tied names grouped; the graph reads one name of each
-        groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
-        for name, t in list(model.named_parameters(remove_duplicate=False)) + \
-                list(model.named_buffers(remove_duplicate=False)):
-            groups.setdefault(id(t), (t, []))[1].append(name)
-        target_of: dict[int, str] = {}
-        for target in list(param_names) + list(buffer_names):
-            t = get_attr(model, target)
-            groups.setdefault(id(t), (t, []))
-            target_of[id(t)] = target
-        # buffers registered with persistent=False (e.g. rotary inv_freq) stay out of state_dict()
-        transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
-                     for b in mod._non_persistent_buffers_set}
-        repl = (Replicate(),) * device_mesh.ndim
-        self.__dict__["holds_dtensors"] = plan.holds_dtensors
-        for tid, (orig, names) in groups.items():
-            target = target_of.get(tid)
-            spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
-            dt = _distribute(orig, device_mesh, spec, as_dtensor=self.holds_dtensors)
-            value = nn.Parameter(dt, requires_grad=orig.requires_grad) if isinstance(orig, nn.Parameter) else dt
-            for name in names + ([target] if target and target not in names else []):
-                set_attr(self, name, value, persistent=name not in transient)
-        for target, value in constants.items():  # lifted by capture: not the model's state
-            set_attr(self, target, value.to(device), persistent=False)
-        self._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
-        if graph is not None:  # else the caller adds the first variant (autoparallel.api.emit does)
-            self.add_variant(ParallelGraph(self, graph, class_name="ParallelGraph"), plan, in_spec=in_spec,
-                             out_spec=out_spec, input_meta=input_meta, buffer_mutations=buffer_mutations)
+    unpicklable_what = "a model parallelized by autoparallel"
+
+    @property
+    def _ap(self) -> _State:
+        return self.__dict__["_autoparallel"]
+
+    @property
+    def plan(self) -> Plan:
+        return self._first.plan
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._first.graph_module
+
+    @property
+    def _first(self) -> Variant:
+        return next(iter(self._ap.variants.values()))
+
+    @property
+    def holds_dtensors(self) -> bool:
+        return self._ap.holds_dtensors
+
+    @property
+    def device_mesh(self):
+        return self._ap.device_mesh
+
+    @property
+    def plans(self) -> dict[tuple[bool, Signature], Plan]:
+        """``(training, input signature)`` → the plan that runs it: the planned call first,
+        then every mode and call planned since."""
+        return {v.key: v.plan for v in self._ap.variants.values()}
+
+    @property
+    def graph_modules(self) -> dict[tuple[bool, Signature], fx.GraphModule]:
+        """``(training, input signature)`` → the per-device graph module that runs it."""
+        return {v.key: v.graph_module for v in self._ap.variants.values()}
 
     def graph_root(self, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What ``get_attr`` nodes of a re-planned graph read: this module's parameters and
+        """What ``get_attr`` nodes of a per-device graph read: the model's parameters and
         buffers (the same objects, by every name) and that graph's own lifted ``constants``
-        (moved to the device), which take precedence over the first graph's constants of the
-        same name without replacing them. Pass it as the root of ``fx.GraphModule``."""
+        (moved to the device). Pass it as the root of ``fx.GraphModule``."""
         device = self.device_mesh.device_type
         root = dict(self.named_parameters(remove_duplicate=False))
         root.update(self.named_buffers(remove_duplicate=False))
@@ -241,85 +314,70 @@ class ParallelModule(NotPicklable, nn.Module):
         return root
 
     def add_variant(self, graph_module: fx.GraphModule, plan: Plan, *, in_spec, out_spec, input_meta,
-                    buffer_mutations: dict[int, str] | None = None, training: bool | None = None) -> Variant:
-        """Register ``graph_module`` (made for ``plan``) to run inputs of ``input_meta``'s
-        signature in mode ``training`` (default: the module's mode now). The first variant
-        added is :attr:`plan` / :attr:`graph_module`; later ones are other modes and re-plans
-        for other inputs, over the same parameter objects.
+                    buffer_mutations: dict[int, str] | None = None) -> Variant:
+        """Register ``graph_module`` (made for ``plan``) to run calls of ``input_meta``'s
+        structure and signature in the model's mode now. The first variant added is
+        :attr:`plan` / :attr:`graph_module`; later ones are other modes and calls, over the
+        same parameter objects.
 
         Raises:
             ValueError: a buffer the forward updates is not planned replicated, or the plan
-                places a parameter otherwise than this module holds it.
+                places a parameter otherwise than the model holds it.
         """
         mutations = dict(buffer_mutations or {})
         for target in mutations.values():
             if any(p != Replicate() for p in plan.param_placements.get(target, ())):
                 raise ValueError(f"buffer {target} is updated by the forward and must be planned replicated, "
                                  f"not {plan.param_placements[target]}")
-        if self._variants:
+        if self._ap.variants:
             moved = [n for n, s in plan.param_placements.items()
                      if tuple(s) != tuple(self.plan.param_placements.get(n, s))]
             if moved:
-                raise ValueError(f"a re-planned graph must keep every parameter where the module holds it; "
+                raise ValueError(f"a re-planned graph must keep every parameter where the model holds it; "
                                  f"{moved[0]} is placed {plan.param_placements[moved[0]]}, not "
                                  f"{self.plan.param_placements[moved[0]]}")
         out = next(n for n in reversed(graph_module.graph.nodes) if n.op == "output")
         variant = Variant(graph_module, plan, in_spec, out_spec, list(input_meta), mutations,
-                          self.training if training is None else training, out.meta.get("returned", []))
-        if not self._variants:
-            self.plan = plan
-            self.__dict__["graph_module"] = graph_module  # not a submodule: parameters listed once, by model names
-            self._in_spec, self._out_spec, self._input_meta = in_spec, out_spec, variant.input_meta
-        self._variants[variant.key] = variant
+                          self.training, out.meta.get("returned", []))
+        self._ap.variants[variant_key(variant, module_state(self)[0])] = variant
         return variant
 
-    @property
-    def plans(self) -> dict[tuple[bool, Signature], Plan]:
-        """``(training, input signature)`` → the plan that runs it: the planned inputs and
-        mode first, then every mode and signature planned since."""
-        return {key: v.plan for key, v in self._variants.items()}
-
-    @property
-    def graph_modules(self) -> dict[tuple[bool, Signature], fx.GraphModule]:
-        """``(training, input signature)`` → the per-device graph module that runs it."""
-        return {key: v.graph_module for key, v in self._variants.items()}
-
-    def _flat_inputs(self, args, kwargs) -> tuple[list, Variant]:
-        expected_kw = self._in_spec.child(1).context if self._in_spec.num_children > 1 else []
-        if set(kwargs) != set(expected_kw or []):
-            raise InputMismatchError(f"keyword arguments {sorted(kwargs)} differ from the planned ones "
-                                     f"{sorted(expected_kw or [])}")
-        kwargs = {k: kwargs[k] for k in expected_kw}
-        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
-        if spec != self._in_spec:
-            raise InputMismatchError(f"input structure {spec} differs from the planned {self._in_spec}")
-        flat = [x for _, x in with_paths]
-        sig = leaf_signature(flat)
-        variant = self._variants.get((self.training, sig))
-        if variant is not None:
-            return flat, variant
-        known = any(s == sig for _, s in self._variants)  # planned in the other mode: capture this one
-        if not known and not (self._recapture is not None and self._recapture.replan):
-            self._raise_mismatch([p for p, _ in with_paths], sig)
-        if self._recapture is None:
-            raise InputMismatchError(f"this module has no graph for {'training' if self.training else 'eval'} "
-                                     "mode and cannot capture one (it was not built by autoparallelize); call "
-                                     "autoparallelize with the model in this mode")
-        return flat, self._recapture(self, args, kwargs)
-
-    def _raise_mismatch(self, paths, sig: Signature):
-        for path, got, want in zip(paths, sig, input_signature(self._input_meta)):
-            if got != want:
-                raise InputMismatchError(
-                    f"argument {_argument_name(path)} has {_describe(got)}, but the plan was made for "
-                    f"{_describe(want)}; call autoparallelize again with meta_inputs like these, or pass "
-                    "replan=True to autoparallelize to plan each new input signature on first use")
-        raise InputMismatchError(f"inputs {sig} have no plan")  # unreachable: sig differs somewhere
-
     def forward(self, *args, **kwargs):
-        flat, variant = self._flat_inputs(args, kwargs)
-        self._batch_check(flat)
-        outs = variant.graph_module(self._coord, *flat)
+        attributes, hooked = module_state(self)
+        key = call_key(self.training, args, kwargs, attributes)
+        variant = self._ap.variants.get(key)
+        if hooked or variant is None and not torch.is_grad_enabled():
+            if torch.is_grad_enabled():
+                raise AutoParallelError(
+                    f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it calls no "
+                    "submodule); register the hook on the model itself, or call under torch.no_grad(), where the "
+                    "model runs eagerly and its submodules' hooks fire")
+            with self._ap.eager.whole_state(self):
+                return super().forward(*args, **kwargs)
+        if variant is None:
+            variant = self._replan(key, args, kwargs)
+        flat = graph_inputs(variant, args, kwargs)
+        self._ap.batch_check(flat)
+        flat = [input_with_full_grad(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
+        with gradient_sync(not self._ap.no_sync):
+            outs = variant.graph_module(self._ap.coord, *flat)
+        return self._outputs(variant, outs)
+
+    def _replan(self, key, args, kwargs) -> Variant:
+        """Capture and plan a call no graph was made for (in training mode: a new mode, a new
+        signature), keeping every parameter where it is.
+
+        Raises:
+            InputMismatchError: a new signature when the model was built with ``replan=False``.
+        """
+        recapture = self._ap.recapture
+        known = any(k[1:] == key[1:] for k in self._ap.variants)  # planned in the other mode
+        if recapture is None or not (known or recapture.replan):
+            raise InputMismatchError(f"{mismatch(self._first, args, kwargs)}; call autoparallelize with replan=True "
+                                     "(the default) to plan each new call on first use, or with meta_inputs like these")
+        return recapture(self, args, kwargs)
+
+    def _outputs(self, variant: Variant, outs):
         if variant.buffer_mutations:
             with torch.no_grad():
                 for i, target in variant.buffer_mutations.items():
@@ -338,6 +396,114 @@ class ParallelModule(NotPicklable, nn.Module):
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))  # contiguous, as on one device
         return DTensor.from_local(local, self.device_mesh, list(spec), run_check=False, shape=torch.Size(shape),
                                   stride=stride)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync``: the gradients of forwards run inside are not all-reduced over
+        the mesh axes that replicate their parameters, but accumulated locally; the first
+        backward of a forward run outside reduces them with its own, so every gradient is
+        then the single-device sum over the accumulated micro-batches. Parameters stored
+        split (FSDP-like placements) still reduce-scatter their gradients, which their
+        gather needs."""
+        self._ap.no_sync = True
+        try:
+            yield
+        finally:
+            self._ap.no_sync = False
+
+    def _apply(self, fn, recurse=True):
+        """Refuse conversions that change the parameters' dtype or device (``.half()``,
+        ``.to(torch.bfloat16)``, ``.cuda()``): the per-device graphs were captured and priced
+        for the dtypes and device of the plan.
+
+        Raises:
+            AutoParallelError: naming ``mp_policy`` for half precision."""
+        probe = torch.empty(0, device=self.device_mesh.device_type)
+        moved = fn(probe)
+        if moved.dtype != probe.dtype or moved.device != probe.device:
+            raise AutoParallelError(
+                f"this model is parallelized for {probe.dtype} parameters on {probe.device.type}; converting it "
+                f"(to {moved.dtype} on {moved.device.type}) would not match its plan. For half-precision compute "
+                "with fp32 master weights pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) to "
+                "autoparallelize; for half-precision weights convert the model before autoparallelize")
+        return super()._apply(fn, recurse)
+
+
+def parallel_class(cls: type) -> type:
+    """The class a model of class ``cls`` takes when parallelized in place: a subclass of
+    :class:`ParallelModule` and ``cls`` (one per ``cls``), named ``AutoParallel<cls>``; it
+    has ``save_pretrained`` (full tensors, written by rank 0) where ``cls`` has it.
+
+    Raises:
+        AutoParallelError: ``cls`` is already parallel."""
+    if issubclass(cls, ParallelModule):
+        raise AutoParallelError(f"the model is already parallelized ({cls.__name__}); autoparallelize it once")
+    made = _CLASSES.get(cls)
+    if made is None:
+        body = {"__module__": cls.__module__, "__qualname__": f"AutoParallel{cls.__qualname__}"}
+        if hasattr(cls, "save_pretrained"):
+            body["save_pretrained"] = save_pretrained
+        made = _CLASSES[cls] = type(f"AutoParallel{cls.__name__}", (ParallelModule, cls), body)
+    return made
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def save_pretrained(self, save_directory, *args, **kwargs):
+    """The model's ``save_pretrained`` with whole tensors: every rank gathers the state dict
+    (a collective: call it on every rank), rank 0 writes it (``is_main_process``), so that
+    ``from_pretrained`` loads a plain model equal to this one."""
+    import torch.distributed as dist
+
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+    kwargs.setdefault("is_main_process", dist.get_rank() == 0)
+    kwargs.setdefault("state_dict", full)
+    return super(ParallelModule, self).save_pretrained(save_directory, *args, **kwargs)
+
+
+def parallelize_in_place(model: nn.Module, plan: Plan, device_mesh, *, param_names, buffer_names,
+                         check_batch_every: int = 100, bucket_cap_bytes: int) -> ParallelModule:
+    """Make ``model`` parallel in place (its class becomes :func:`parallel_class`'s; its
+    parameters and buffers, under every name, the plan's); the caller adds its first
+    per-device graph with :meth:`ParallelModule.add_variant`. Returns ``model``.
+
+    Raises:
+        MeshMismatchError: a mesh no numbering of the devices fits (:func:`_mesh_coord`).
+        AutoParallelError: the model is already parallel."""
+    cls = parallel_class(type(model))
+    coord = _mesh_coord(device_mesh)  # first: it refuses meshes no numbering fits
+    _place_state(model, plan, device_mesh, list(param_names) + list(buffer_names))
+    model.__class__ = cls
+    model.__dict__["_autoparallel"] = _State(device_mesh, coord, BatchCheck(device_mesh, check_batch_every),
+                                             bucket_cap_bytes, plan.holds_dtensors)
+    model._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
+    return model
+
+
+def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) -> None:
+    """Replace every parameter and buffer of ``model`` (tied names kept one object) by its
+    distributed value in the plan's placements (unused ones replicated); the replaced
+    parameters are retired (:func:`retire`)."""
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(t), (t, []))[1].append(name)
+    target_of = {id(get_attr(model, target)): target for target in targets}
+    transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
+                 for b in mod._non_persistent_buffers_set}
+    repl = (Replicate(),) * device_mesh.ndim
+    for tid, (orig, names) in groups.items():
+        target = target_of.get(tid)
+        spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
+        dt = _distribute(orig, device_mesh, spec, as_dtensor=plan.holds_dtensors)
+        if isinstance(orig, nn.Parameter):
+            value = nn.Parameter(dt, requires_grad=orig.requires_grad)
+            retire(orig, names[0])
+        else:
+            value = dt
+        for name in names:
+            set_attr(model, name, value, persistent=name not in transient)
 
 
 def _distribute(tensor: torch.Tensor, device_mesh, spec, as_dtensor: bool = True) -> torch.Tensor:

@@ -168,3 +168,25 @@ def param_all_gather(shard: torch.Tensor, steps: list[tuple[str, int, int, int, 
             match ``steps`` (a collective of unequal pieces).
     """
     return _ParamAllGather.apply(shard, tuple(steps), dtype, reduce_dtype)
+
+
+class _InputFullGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        world = dist.distributed_c10d._get_default_group().group_name
+        return _c10d.wait_tensor(_c10d.all_reduce(per_rank(grad).contiguous(), "sum", world))
+
+
+def input_with_full_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity on an input the caller passes whole on every device; in the backward, its
+    gradient is all-reduced (sum) over the world, so the caller receives the single-device
+    gradient: the graph reads the input replicated, and by the gradient convention (DESIGN §2)
+    each device holds a partial sum of a replicated value's gradient (a device that read its
+    rows only holds theirs)."""
+    return _InputFullGrad.apply(x)

@@ -33,6 +33,7 @@ A sum returned whole (a loss: each device's summand all-reduced) is waited as la
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -62,18 +63,51 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
         p.grad._local_tensor.add_(local_grad)
 
 
+_SYNC = [True]  # whether the forward now running reduces its gradients (False inside no_sync)
+_UNSYNCED = WeakIdKeyDictionary()  # parameter -> True while its .grad holds an unreduced partial sum
+
+
+@contextlib.contextmanager
+def gradient_sync(enabled: bool):
+    """Within: the buckets of the forward that runs reduce their gradients (``enabled``) or
+    accumulate them unreduced into ``.grad`` (DDP's ``no_sync``); a later reducing backward
+    adds the accumulated partial sums into its all-reduce."""
+    _SYNC.append(enabled)
+    try:
+        yield
+    finally:
+        _SYNC.pop()
+
+
+def _accumulated(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` plus the unreduced partial sum ``p.grad`` holds from backwards run under
+    ``no_sync`` (then cleared: the reduced sum replaces it)."""
+    if _UNSYNCED.pop(p, None) is None or p.grad is None:
+        return grad
+    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    p.grad = None
+    return grad + local
+
+
 class _BucketReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, groups, reduce_dtype, *params):
-        ctx.groups, ctx.reduce_dtype = groups, reduce_dtype
+        ctx.groups, ctx.reduce_dtype, ctx.sync = groups, reduce_dtype, _SYNC[-1]
         ctx.params = params
         return tuple(p.to_local() if isinstance(p, DTensor) else p.detach() for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
+        params = ctx.params
+        if not ctx.sync:  # no_sync: this device's partial sums, reduced by a later backward
+            for p, g in zip(params, grads):
+                _add_grad(p, g)
+                _UNSYNCED[p] = True
+            return (None,) * (2 + len(params))
+        if _UNSYNCED:
+            grads = tuple(_accumulated(p, g) for p, g in zip(params, grads))
         world = _world_group(ctx.groups)
         first, rest = (world, ()) if world is not None else (ctx.groups[0], ctx.groups[1:])
-        params = ctx.params
         grad_dtype = grads[0].dtype
         same_dtype = ctx.reduce_dtype in (None, grad_dtype)
         flat = torch.cat([g.reshape(-1) for g in grads], out=_reusable_buffer(params, grads) if same_dtype else None)
