@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,6 @@ from .solver import CostModel
 from .solver.memory import DEFAULT_OPTIMIZER, MemoryModel, device_capacity, preset_capacity, resolve_budget
 from .solver.planner import Planner, written_back_outputs
 from .strategies import StrategyGenerator
-from .summary import record_reads
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import ColoTracer
 from .tracer.autocast import ambient_autocast
@@ -90,8 +90,8 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                     "planning again")
         hit = None
     if hit is not None:
-        hit.solver_stats["cache"] = "hit"
-        hit.solver_stats["stamped_layers"] = traced.stamped_layers  # the graph is the same either way
+        hit.solver_stats.cache = "hit"
+        hit.solver_stats.stamped_layers = traced.stamped_layers  # the graph is the same either way
         return hit
     t0 = time.perf_counter()
     progress.stage("strategies")
@@ -129,28 +129,26 @@ def _plan_traced(traced, mesh: MeshSpec, *, cost_model, strict, solver, time_lim
                       reduce_dtype=precision.reduce_dtype(mp_policy), optimizer=optimizer, device=device)
     progress.stage("costs and ILP solve")
     plan = planner.solve(solver=solver, time_limit=time_limit, memory_budget=budget)
-    record_reads(plan, traced.gm)  # what the summary follows from a parameter to its cast and slices
-    plan.estimate["costs"] = cost_model.describe()
+    plan.estimate = replace(plan.estimate, costs=cost_model.describe())
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
-             st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
-             plan.estimate["step_time_s"])
-    plan.solver_stats["strategies_s"] = t1 - t0
-    plan.solver_stats["memory_s"] = t_memory
-    plan.solver_stats["stamped_layers"] = traced.stamped_layers
-    plan.solver_stats["fallback_ops"] = sorted(gen.fallbacks)
-    plan.solver_stats["cache"] = "miss" if folder is not None else "off"
+             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"], plan.estimate.step_time_s)
+    st.stage_s["strategies"] = t1 - t0
+    st.stage_s["memory"] = t_memory
+    st.stamped_layers = traced.stamped_layers
+    plan.inspection.fallback_ops = sorted(gen.fallbacks)
+    st.cache = "miss" if folder is not None else "off"
     plan.mp_policy = mp_policy
     if user_pins:
-        plan.solver_stats["placement_constraints"] = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
+        plan.inspection.placement_constraints = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
     if baselines:
         progress.stage("baselines")
         t3 = time.perf_counter()
         rows = recipes.price(traced, mesh, planner, unconstrained, solver=solver, time_limit=time_limit,
-                             memory_budget=budget, costs=plan.estimate["costs"])
-        plan.estimate["baselines"] = recipes.baselines(rows)
-        plan.solver_stats["baselines_s"] = time.perf_counter() - t3
-        log.info("baselines: %d recipes priced (%.2f s)", len(rows), plan.solver_stats["baselines_s"])
+                             memory_budget=budget, costs=plan.estimate.costs)
+        plan.inspection.baselines = recipes.baselines(rows)
+        st.stage_s["baselines"] = time.perf_counter() - t3
+        log.info("baselines: %d recipes priced (%.2f s)", len(rows), st.stage_s["baselines"])
     cache.store(folder, key, plan)
     return plan
 
@@ -217,7 +215,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             (:meth:`~autoparallel.solver.costs.CommProfile.mesh_spec`).
         cost_model: a :class:`CostModel` (default: A100 preset); a saved profile of a real
             mesh prices it as measured: ``CostModel.from_profile(path)``.
-            ``plan.estimate["costs"]`` records which costs priced the plan.
+            ``plan.estimate.costs`` records which costs priced the plan.
         strict: error on ops without a sharding rule instead of replicating them.
         solver: ``"cbc"`` or ``"highs"``.
         time_limit: seconds for the ILP solver.
@@ -263,7 +261,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             :func:`autoparallel.recipes.recipes` (DDP, FSDP, Megatron TP, FSDP + TP) on the same
             graph, strategies and costs, each as the plan solved with the recipe's constraints
             (:func:`autoparallel.recipes.price`: no second trace or pricing, one ILP solve per
-            recipe), recorded in ``plan.estimate["baselines"]`` and printed by ``str(plan)``.
+            recipe), recorded in ``plan.inspection.baselines`` and printed by ``str(plan)``.
             DDP is always planned, the other recipes unless a lower bound of their step
             shows they cannot be the fastest. Costs a problem build per recipe and an ILP
             solve per planned one: measured about +40 % planning CPU time on GPT-2 small and
@@ -271,8 +269,8 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             plan", Baselines); ``False`` leaves them out.
 
     Returns:
-        the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
-        ``plan.estimate["memory"]`` the modelled peak and its breakdown.
+        the :class:`Plan`; ``plan.solver_stats.stage_s`` holds per-stage seconds;
+        ``plan.estimate.memory`` the modelled peak and its breakdown.
 
     Raises:
         CaptureError, ShardingRuleError, InfeasiblePlanError: see :mod:`autoparallel.errors`
@@ -301,7 +299,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
                      time_limit=time_limit, parallelism=parallelism, share_layers=share_layers, cache_dir=cache_dir,
                      memory_budget=memory_budget, optimizer=optimizer, device=device, outputs=outputs,
                      constraints=constraints, mp_policy=mp_policy, baselines=baselines)
-    p.solver_stats["trace_s"] = t_trace
+    p.solver_stats.stage_s["trace"] = t_trace
     return p
 
 

@@ -437,7 +437,7 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     meta = (torch.empty(x.shape, device="meta"),)
     estimate = plan(model, meta, mesh_shape=(1,), cost_model=CostModel(rates), cache_dir=False, baselines=False,
                     device=device.type).estimate
-    predicted = estimate["compute_s"] - estimate["optimizer_s"]
+    predicted = estimate.compute_s - estimate.optimizer_s
     return predicted / _median_time(lambda: model(x).backward(), device)
 
 
