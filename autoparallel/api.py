@@ -47,7 +47,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
             Each option, its default and meaning are documented once, on PlanOptions.
 
     Returns:
-        the :class:`Plan`; ``plan.solver_stats`` includes per-stage seconds;
+        the :class:`Plan`; ``plan.solver_stats.stage_s`` holds per-stage seconds;
         ``plan.estimate`` the estimated step and modelled peak.
 
     Raises:
@@ -67,7 +67,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
                      device=opts.device)
     t_trace = time.perf_counter() - t0
     p = plan_traced(traced, mesh_spec, opts)
-    p.solver_stats["trace_s"] = t_trace
+    p.solver_stats.stage_s["trace"] = t_trace
     return p
 
 

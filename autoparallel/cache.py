@@ -36,10 +36,11 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.8.1"  # 0.8.1: an SDPA reading repeated key/value keeps them unrepeated (rewrites.gqa)
+VERSION = "0.9.0"  # 0.9.0: typed estimate, solver_stats and inspection records (autoparallel.results)
+# 0.8.1: an SDPA reading repeated key/value keeps them unrepeated (rewrites.gqa)
 # 0.8.0: SDPA FLOPs counted and priced at attention_efficiency; views that move no data priced as calls only
 # 0.7.0: DTensor's optimizer overhead one fixed charge (replicated plans hold plain parameters)
-# 0.6.0: the optimizer step and the world-spanning gradient bucket priced (estimate["optimizer_s"])
+# 0.6.0: the optimizer step and the world-spanning gradient bucket priced (estimate.optimizer_s)
 # 0.4.0: alternatives, parameter names and memory timeline for summary/explain/plot
 # 0.3.0: exposed gradient communication, plan.outputs, redistributions
 

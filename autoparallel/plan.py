@@ -8,7 +8,6 @@ A plan is data: printable as a table, JSON round-trip exact, and identical on ev
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
@@ -16,8 +15,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
 from . import precision
+from .jsonfields import _check, _fields, _is_count, _is_number
 from .mesh import MeshSpec
 from .placement import R, Spec, is_replicated, spec_from_json, spec_str, spec_to_json, unit_of
+from .results import Estimate, Inspection, SolverStats, from_old_layout
 
 OUTPUTS = ("sharded", "replicated")
 """How the module returns its outputs (the ``outputs=`` planning option): ``"sharded"`` in
@@ -295,30 +296,26 @@ class Plan:
         nodes: per node (in graph order) its :class:`NodePlan`.
         redistributions: every resharding between nodes.
         param_placements: parameter and buffer name (tied names included) → spec.
-        estimate: ``step_time_s`` (predicted seconds of one training step: forward, backward,
-            recomputation and the optimizer step), ``compute_s`` (the optimizer step included),
-            ``optimizer_s`` (that step's part of ``compute_s``), ``comm_s``, ``peak_memory_bytes`` (per device, with
-            recomputation when there is some) and ``memory`` (the peak without recomputation,
-            its step and breakdown, see :mod:`autoparallel.solver.memory`; with recomputation
-            also ``checkpointed_peak_bytes``); ``costs``: what priced the plan
-            (:meth:`~autoparallel.solver.costs.CostModel.describe`: a preset or a measured profile).
-        solver_stats: ILP size, times (s), status.
+        estimate: the predicted step and peak memory, and what priced them (:class:`~autoparallel.results.Estimate`).
+        solver_stats: the ILP's size and outcome, the planning's timings (:class:`~autoparallel.results.SolverStats`).
         checkpoint: the activation checkpointing, ``None`` when nothing is recomputed.
         outputs: how outputs are returned, one of :data:`OUTPUTS` (:func:`returned_spec`);
             plans saved without the field are ``"replicated"``, as they were made.
         mp_policy: the mixed-precision policy the graph was captured and priced under
             (:mod:`autoparallel.precision`), ``None`` for none (also in plans saved without it).
+        inspection: what the summary, explain and plot read (:class:`~autoparallel.results.Inspection`).
     """
 
     mesh: MeshSpec
     nodes: dict[str, NodePlan]
     redistributions: list[Redistribution]
     param_placements: dict[str, Spec]
-    estimate: dict = field(default_factory=dict)
-    solver_stats: dict = field(default_factory=dict)
+    estimate: Estimate = field(default_factory=Estimate)
+    solver_stats: SolverStats = field(default_factory=SolverStats)
     checkpoint: CheckpointPlan | None = None
     outputs: str = "replicated"
     mp_policy: MixedPrecisionPolicy | None = None
+    inspection: Inspection = field(default_factory=Inspection)
 
     @property
     def collectives(self) -> list[dict]:
@@ -354,13 +351,13 @@ class Plan:
                          n.memory_bytes])
         hdr = ["node", "op", "module", "input specs → output spec", "compute s", "comm s", "memory B"]
         est = self.estimate
-        foot = (f"mesh {self.mesh.shape}: estimated step {est.get('step_time_s', 0):.4g} s "
-                f"(compute {est.get('compute_s', 0):.4g} s"
-                + (f" with the optimizer step {est['optimizer_s']:.4g} s" if est.get("optimizer_s") else "")
-                + f", communication {est.get('comm_s', 0):.4g} s), "
-                f"peak memory {est.get('peak_memory_bytes', 0) / 2**20:.1f} MiB per device; "
+        foot = (f"mesh {self.mesh.shape}: estimated step {est.step_time_s:.4g} s "
+                f"(compute {est.compute_s:.4g} s"
+                + (f" with the optimizer step {est.optimizer_s:.4g} s" if est.optimizer_s else "")
+                + f", communication {est.comm_s:.4g} s), "
+                f"peak memory {(est.peak_memory_bytes or 0) / 2**20:.1f} MiB per device; "
                 f"{len(self.collectives)} forward collectives"
-                + (f"; priced by {est['costs']}" if est.get("costs") else "")
+                + (f"; priced by {est.costs}" if est.costs else "")
                 + (f"; {precision.describe(self.mp_policy)}" if self.mp_policy is not None else ""))
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
@@ -375,18 +372,6 @@ class Plan:
         from .summary import summary
 
         return summary(self)
-
-    @property
-    def state_nodes(self) -> dict[str, list[str]]:
-        """``get_attr`` node name → every name of its parameter or buffer (tied names too),
-        recorded at solve time in ``solver_stats["state_nodes"]`` (empty in older plans)."""
-        return self.solver_stats.get("state_nodes", {})
-
-    @property
-    def alternatives(self) -> dict[str, dict]:
-        """Node name → its chosen strategy and next best alternatives, priced at solve time
-        (:func:`autoparallel.explain.alternatives`, in ``solver_stats["alternatives"]``)."""
-        return self.solver_stats.get("alternatives", {})
 
     def explain(self, name: str) -> str:
         """Why ``name`` (a parameter or buffer name, a module path or a node) is placed as it
@@ -417,11 +402,12 @@ class Plan:
             "nodes": [n.to_json() for n in self.nodes.values()],
             "redistributions": [c.to_json() for c in self.redistributions],
             "param_placements": {k: spec_to_json(v) for k, v in self.param_placements.items()},
-            "estimate": self.estimate,
-            "solver_stats": self.solver_stats,
+            "estimate": self.estimate.to_json(),
+            "solver_stats": self.solver_stats.to_json(),
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else {},
             "outputs": self.outputs,
             "mp_policy": precision.policy_to_json(self.mp_policy),
+            "inspection": self.inspection.to_json(),
         })
 
     @classmethod
@@ -440,7 +426,7 @@ class Plan:
             raise ValueError(f"a plan must be JSON text: {e}") from None
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
-        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy"))
+        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy", "inspection"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
@@ -455,8 +441,7 @@ class Plan:
             raise ValueError(f"mesh: {e}") from None
         for k in ("nodes", "redistributions"):
             _check(isinstance(d[k], list), "plan", k, "a list", d[k])
-        for k in ("param_placements", "estimate", "solver_stats"):
-            _check(isinstance(d[k], dict), "plan", k, "an object", d[k])
+        _check(isinstance(d["param_placements"], dict), "plan", "param_placements", "an object", d["param_placements"])
         nodes: dict[str, NodePlan] = {}
         for i, nd in enumerate(d["nodes"]):
             n = NodePlan.from_json(nd, f"nodes[{i}]")
@@ -476,16 +461,15 @@ class Plan:
         for k, v in d["param_placements"].items():
             params[k] = _spec(v, "param_placements", k)
             _check_len(params[k], mesh, "param_placements", k)
-        for k in ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes"):  # printed by table()
-            if k in d["estimate"]:
-                _check(_is_number(d["estimate"][k]), "estimate", k, "a number", d["estimate"][k])
-        if "baselines" in d["estimate"]:
-            _check_baselines(d["estimate"]["baselines"])
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
-        return cls(mesh, nodes, redistributions, params, d["estimate"], d["solver_stats"], checkpoint, outputs,
-                   mp_policy)
+        estimate, stats, inspection = d["estimate"], d["solver_stats"], d.get("inspection")
+        if inspection is None:  # saved before the records: free-form estimate and solver_stats
+            recompute = checkpoint.recompute_s if checkpoint else 0.0
+            estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
+        return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
+                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -497,57 +481,9 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy")
+                "outputs", "mp_policy", "inspection")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _check_baselines(base) -> None:
-    """``estimate["baselines"]`` (printed by the summary): recipe name → its estimate
-    (:func:`autoparallel.recipes.baselines`), ``{"step_at_least_s": seconds}`` or
-    ``{"reason": text}``."""
-    _check(isinstance(base, dict), "estimate", "baselines", "an object", base)
-    for name, b in base.items():
-        where = f"estimate: baselines[{name!r}]"
-        if isinstance(b, dict) and "reason" in b:
-            _fields(b, ("reason",), where)
-            _check(isinstance(b["reason"], str), where, "reason", "text", b["reason"])
-            continue
-        if isinstance(b, dict) and "step_at_least_s" in b:
-            _fields(b, ("step_at_least_s",), where)
-            _check(_is_number(b["step_at_least_s"]) and b["step_at_least_s"] >= 0, where, "step_at_least_s",
-                   "seconds (a number >= 0)", b["step_at_least_s"])
-            continue
-        _fields(b, ("step_time_s", "comm_s", "recompute_s", "peak_memory_bytes"), where)
-        for k in ("step_time_s", "comm_s", "recompute_s"):
-            _check(_is_number(b[k]) and b[k] >= 0, where, k, "seconds (a number >= 0)", b[k])
-        _check(b["peak_memory_bytes"] is None or _is_number(b["peak_memory_bytes"]), where, "peak_memory_bytes",
-               "a number or null", b["peak_memory_bytes"])
-
-
-def _check(ok: bool, where: str, field_name: str, expected: str, found) -> None:
-    if not ok:
-        raise ValueError(f"{where}: {field_name} must be {expected}, not {found!r}")
-
-
-def _fields(d, names, where: str, optional=()) -> None:
-    """``d`` is an object with exactly the fields ``names`` (those in ``optional`` may be absent)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{where} must be a JSON object, not {d!r}")
-    missing = [k for k in names if k not in d and k not in optional]
-    unknown = sorted(set(d) - set(names))
-    problems = [f"missing field(s) {missing}"] if missing else []
-    problems += [f"unknown field(s) {unknown}"] if unknown else []
-    if problems:
-        raise ValueError(f"{where}: " + "; ".join(problems))
 
 
 def _shape(v, where: str, field_name: str) -> tuple[int, ...]:

@@ -7,8 +7,8 @@
 * the modelled memory per device over one training step (forward, then backward), stacked
   by kind (:data:`autoparallel.solver.memory.KINDS`), with the budget as a line.
 
-The memory timeline is recorded at solve time by :func:`memory_timeline` (from
-:meth:`~autoparallel.solver.memory.MemoryModel.timeline`) in ``plan.estimate["memory_timeline"]``.
+The memory timeline is recorded at solve time by :func:`autoparallel.solver.inspect.memory_timeline`
+(from :meth:`~autoparallel.solver.memory.MemoryModel.timeline`) in ``plan.inspection.memory_timeline``.
 """
 
 from __future__ import annotations
@@ -20,24 +20,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .plan import Plan
-
-POINTS = 256
-"""Samples kept of the memory timeline: each the step of largest total in its stretch of steps."""
-
-
-def memory_timeline(memory, choice: dict, points: int = POINTS) -> dict:
-    """The memory timeline of ``choice`` downsampled to at most ``points`` steps, keeping
-    the step of largest total in each stretch (so the peak is kept exactly).
-
-    Returns:
-        ``{"steps": number of steps (forward is the first half), "step": [sampled step],
-        "total": [bytes], "by_kind": {kind: [bytes]}}``, bytes per device.
-    """
-    total, by_kind = memory.timeline(choice)
-    n = len(total)
-    idx = [int(b[np.argmax(total[b])]) for b in np.array_split(np.arange(n), min(points, n)) if len(b)]
-    return {"steps": n, "step": idx, "total": [int(total[i]) for i in idx],
-            "by_kind": {k: [int(v[i]) for i in idx] for k, v in by_kind.items()}}
 
 
 def _matplotlib():
@@ -63,7 +45,7 @@ def layer_times(plan: "Plan") -> list[tuple[str, float, float, float]]:
     from .summary import layer_of_path
 
     est = plan.estimate
-    grad, exposed = est.get("grad_comm_s", 0.0), est.get("exposed_grad_comm_s", 0.0)
+    grad, exposed = est.grad_comm_s, est.exposed_grad_comm_s
     share = exposed / grad if grad else 1.0
     recompute = _recompute_per_node(plan)
     parts: dict[str, list[float]] = {}
@@ -71,7 +53,7 @@ def layer_times(plan: "Plan") -> list[tuple[str, float, float, float]]:
     for n in plan.nodes.values():
         path = n.module_path
         if n.op == "get_attr":  # a parameter belongs to the layer its name is under
-            path = (plan.state_nodes.get(n.name) or [""])[0]
+            path = (plan.inspection.state_nodes.get(n.name) or [""])[0]
         key = layer_of_path(path) if path else None
         if key:
             label, seen_layer = f"{key[0]}.{key[1]}", True
@@ -83,8 +65,8 @@ def layer_times(plan: "Plan") -> list[tuple[str, float, float, float]]:
         row[1] += comm
         row[2] += recompute.get(n.name, 0.0)
     rows = [(k, *v) for k, v in parts.items()]
-    rest = est.get("step_time_s", 0.0) - sum(sum(v) for v in parts.values())
-    if rest > 1e-12 * max(1.0, est.get("step_time_s", 0.0)):
+    rest = est.step_time_s - sum(sum(v) for v in parts.values())
+    if rest > 1e-12 * max(1.0, est.step_time_s):
         rows.append(("step-wide", 0.0, rest, 0.0))
     return rows
 
@@ -125,14 +107,14 @@ def plot(plan: "Plan", path) -> list[str]:
         bottom += vals
     ax1.set_xticks(x, [r[0] for r in rows], rotation=90, fontsize=max(4, 9 - len(rows) // 12))
     ax1.set_ylabel("ms per step")
-    step = plan.estimate.get("step_time_s", 0.0)
+    step = plan.estimate.step_time_s
     ax1.set_title(f"estimated step {step * 1e3:.4g} ms on mesh {plan.mesh.shape} {plan.mesh.axis_names}")
     ax1.legend(fontsize=8)
-    tl = plan.estimate.get("memory_timeline")
+    tl = plan.inspection.memory_timeline
     if tl:
         steps = np.array(tl["step"])
         kinds = [k for k, v in tl["by_kind"].items() if any(v)]
-        budget = plan.estimate.get("memory_budget_bytes")
+        budget = plan.estimate.memory_budget_bytes
         unit, scale = ("GiB", 2**30) if max(max(tl["total"]), budget or 0) >= 2**30 else ("MiB", 2**20)
         ax2.stackplot(steps, *[np.array(tl["by_kind"][k]) / scale for k in kinds], labels=kinds, alpha=0.8)
         ax2.axvline(tl["steps"] / 2, color="gray", linestyle=":", label="forward | backward")

@@ -439,7 +439,7 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     meta = (torch.empty(x.shape, device="meta"),)
     options = PlanOptions(cost_model=CostModel(rates), cache_dir=False, device=device.type)
     estimate = plan_traced(capture(model, meta, device=device.type), MeshSpec((1,)), options).estimate
-    predicted = estimate["compute_s"] - estimate["optimizer_s"]
+    predicted = estimate.compute_s - estimate.optimizer_s
     return predicted / _median_time(lambda: model(x).backward(), device)
 
 

@@ -41,7 +41,7 @@ modules alike). The LM head is the projection outside the layers with the most o
 features when that equals the largest embedding's rows (the vocabulary).
 
 :func:`price` plans the recipes on the plan's own graph, strategies and costs: the plan's
-baselines (``plan.estimate["baselines"]``, :func:`baselines`), which ``str(plan)`` prints;
+baselines (``plan.inspection.baselines``, :func:`baselines`), which ``str(plan)`` prints;
 :func:`autoparallel.compare` shows every recipe planned as a table. A recipe's plan is exactly the plan
 solved with its constraints.
 """
@@ -382,12 +382,12 @@ class Comparison:
     def best_recipe(self) -> Row | None:
         """The recipe with the shortest estimated step, ``None`` when none could be planned."""
         done = [r for r in self.rows[1:] if r.plan is not None]
-        return min(done, key=lambda r: r.plan.estimate["step_time_s"]) if done else None
+        return min(done, key=lambda r: r.plan.estimate.step_time_s) if done else None
 
     def __str__(self) -> str:
         from .summary import _columns, _gib, _s, step_parts
 
-        base = self.plan.estimate["step_time_s"]
+        base = self.plan.estimate.step_time_s
         table = [("", "step", "vs plan", "compute", "exposed comm", "recompute", "peak memory")]
         notes = []
         for r in self.rows:
@@ -396,15 +396,16 @@ class Comparison:
                 notes.append(f"  {r.name}: cannot be expressed: {r.reason}")
                 continue
             step, compute, comm, recompute = step_parts(r.plan)
-            peak = r.plan.estimate.get("peak_memory_bytes")
+            peak = r.plan.estimate.peak_memory_bytes
             table.append((r.name, _s(step), f"{step / base:.2f}x", _s(compute), _s(comm), _s(recompute),
                           _gib(peak) if peak is not None else "?"))
             notes += [f"  {r.name}: {n}" for n in r.notes]
         m = self.mesh
         head = (f"the plan vs hand-written recipes on {' × '.join(f'{n} ({a})' for a, n in zip(m.axis_names, m.shape))}, "
-                f"priced by {self.plan.estimate.get('costs', 'the same cost model')}:")
+                f"priced by {self.plan.estimate.costs or 'the same cost model'}:")
         best = self.best_recipe()
-        tail = [f"best recipe: {best.name}, {best.plan.estimate['step_time_s'] / base:.2f}x the plan's step"] if best else []
+        step = best.plan.estimate.step_time_s if best else 0.0
+        tail = [f"best recipe: {best.name}, {step / base:.2f}x the plan's step"] if best else []
         return "\n".join([head, _columns(table)] + notes + tail)
 
 
@@ -462,9 +463,9 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
         except AutoParallelError as e:
             rows[r.name] = Row(r.name, None, f"{type(e).__name__}: {e}")
             continue
-        p.estimate["costs"] = costs
-        p.solver_stats["placement_constraints"] = {q.pattern: q.text(mesh.axis_names) for q in pins}
-        fastest = min(fastest, p.estimate["step_time_s"])
+        p.estimate = replace(p.estimate, costs=costs)
+        p.inspection.placement_constraints = {q.pattern: q.text(mesh.axis_names) for q in pins}
+        fastest = min(fastest, p.estimate.step_time_s)
         rows[r.name] = Row(r.name, p, notes=r.notes)
     return [rows[r.name] for r in listed]
 
@@ -511,7 +512,7 @@ def resident_floor(memory, strategies) -> int:
 
 
 def baselines(rows: list[Row]) -> dict[str, dict]:
-    """``plan.estimate["baselines"]``: recipe name → ``step_time_s``, ``comm_s``,
+    """``plan.inspection.baselines``: recipe name → ``step_time_s``, ``comm_s``,
     ``recompute_s`` (seconds), ``peak_memory_bytes``; ``step_at_least_s`` for a recipe not
     planned because it cannot be the fastest (:func:`price`); or ``reason`` (text) when it
     cannot be expressed or planned."""
@@ -521,7 +522,6 @@ def baselines(rows: list[Row]) -> dict[str, dict]:
             out[r.name] = {"step_at_least_s": r.at_least_s} if r.at_least_s is not None else {"reason": r.reason}
             continue
         est = r.plan.estimate
-        out[r.name] = {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],
-                       "recompute_s": r.plan.checkpoint.recompute_s if r.plan.checkpoint else 0.0,
-                       "peak_memory_bytes": est.get("peak_memory_bytes")}
+        out[r.name] = {"step_time_s": est.step_time_s, "comm_s": est.comm_s, "recompute_s": est.recompute_s,
+                       "peak_memory_bytes": est.peak_memory_bytes}
     return out

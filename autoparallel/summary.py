@@ -6,7 +6,7 @@ Sections (:func:`summary`):
 * the estimated step: compute, exposed communication and recomputation, seconds;
 * the modelled peak memory per device and its breakdown, against the budget if any;
 * the plan's step beside data parallelism's (DDP) and the fastest hand-written recipe's,
-  priced on the plan's own graph and costs (``plan.estimate["baselines"]``,
+  priced on the plan's own graph and costs (``plan.inspection.baselines``,
   :func:`autoparallel.recipes.price`);
 * how each input is split (batch, sequence);
 * per kind of parameter, repeated layers folded (``h.{0..11}.attn.c_attn.weight``): its
@@ -95,8 +95,8 @@ def summary(plan: "Plan") -> str:
 def _header(plan: "Plan") -> str:
     m = plan.mesh
     axes = " × ".join(f"{n} ({a})" for a, n in zip(m.axis_names, m.shape))
-    costs = plan.estimate.get("costs") or "costs not recorded"
-    constraints = plan.solver_stats.get("placement_constraints")
+    costs = plan.estimate.costs or "costs not recorded"
+    constraints = plan.inspection.placement_constraints
     line = f"plan for a mesh of {m.size} devices: {axes}; priced by {costs}"
     if constraints:
         line += "\nconstraints: " + ", ".join(f"{k} {v}" for k, v in constraints.items())
@@ -106,43 +106,42 @@ def _header(plan: "Plan") -> str:
 def step_parts(plan: "Plan") -> tuple[float, float, float, float]:
     """``(step, compute, exposed communication, recomputation)`` seconds of the estimate."""
     est = plan.estimate
-    recompute = plan.checkpoint.recompute_s if plan.checkpoint else 0.0
-    return est.get("step_time_s", 0.0), est.get("compute_s", 0.0), est.get("comm_s", 0.0), recompute
+    return est.step_time_s, est.compute_s, est.comm_s, est.recompute_s
 
 
 def _step(plan: "Plan") -> str:
     step, compute, comm, recompute = step_parts(plan)
-    optimizer = plan.estimate.get("optimizer_s")
+    optimizer = plan.estimate.optimizer_s
     line = (f"estimated step {_s(step)} = compute {_s(compute)}"
             + (f" (optimizer step {_s(optimizer)})" if optimizer else "")
             + f" + exposed communication {_s(comm)}" + (f" + recomputation {_s(recompute)}" if recompute else ""))
-    grad = plan.estimate.get("grad_comm_s")
+    grad = plan.estimate.grad_comm_s
     if grad:
-        line += f" (gradient reduction {_s(grad)}, {_s(plan.estimate.get('exposed_grad_comm_s', grad))} exposed)"
+        line += f" (gradient reduction {_s(grad)}, {_s(plan.estimate.exposed_grad_comm_s)} exposed)"
     return line
 
 
 def _memory(plan: "Plan") -> str:
-    mem = plan.estimate.get("memory")
-    peak = plan.estimate.get("peak_memory_bytes")
-    if not mem or peak is None:
+    mem = plan.estimate.memory
+    peak = plan.estimate.peak_memory_bytes
+    if mem is None or peak is None:
         return ""
-    budget = plan.estimate.get("memory_budget_bytes")
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.get("breakdown", {}).items() if v)
+    budget = plan.estimate.memory_budget_bytes
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.breakdown.items() if v)
     line = f"peak memory {_gib(peak)} per device" + (f" of a {_gib(budget)} budget" if budget else " (no budget)")
-    line += f", in the {mem.get('phase', '?')}: {parts}"
+    line += f", in the {mem.phase}: {parts}"
     if plan.checkpoint:
-        line += f" (before recomputation {_gib(mem['peak_bytes'])})"
+        line += f" (before recomputation {_gib(mem.peak_bytes)})"
     return line
 
 
 def _compared(plan: "Plan") -> str:
     """Data parallelism (DDP) and the fastest hand-written recipe beside the plan's step, from
-    ``plan.estimate["baselines"]`` (:func:`autoparallel.recipes.baselines`)."""
-    base = plan.estimate.get("baselines")
+    ``plan.inspection.baselines`` (:func:`autoparallel.recipes.baselines`)."""
+    base = plan.inspection.baselines
     if base is None:
         return "data parallelism and hand-written recipes: not priced (plan(..., baselines=True) or autoparallel.compare)"
-    step = plan.estimate.get("step_time_s", 0.0)
+    step = plan.estimate.step_time_s
 
     def priced(name: str, b: dict) -> str:
         extra = f", recomputing {_s(b['recompute_s'])}" if b.get("recompute_s") else ""
@@ -198,31 +197,16 @@ def _dim_name(d: int, ndim: int) -> str:
     return {0: "batch", 1: "sequence"}.get(d, f"dim {d}") if ndim >= 2 else "batch"
 
 
-def record_reads(plan: "Plan", gm) -> None:
-    """Record in ``plan.solver_stats["state_reads"]`` the nodes each parameter's ``get_attr``
-    node of ``gm`` (the traced graph the plan was made for) is read through: its
-    mixed-precision cast and its slices (:func:`autoparallel.constraints.read_through`), by
-    node name; what :func:`parameter_use` follows. Parameters read directly are left out."""
-    from .constraints import read_through
-
-    reads = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.name in plan.state_nodes:
-            through = [n.name for n in read_through(node)]
-            if through:
-                reads[node.name] = through
-    plan.solver_stats["state_reads"] = reads
-
-
 def parameter_use(plan: "Plan", node_name: str) -> str:
     """How the parameter of get_attr node ``node_name`` is used: ``"as stored"``,
     ``"all-gathered over tp"`` (stored sharded, gathered for compute), ``"split over dp"``
     (stored whole or less split, split further for compute), or several of these. A parameter
     read through a mixed-precision cast is described by what happens to the cast copy; one read
     in slices (a fused projection, :mod:`autoparallel.tracer.fused`) by what happens to its
-    slices (``"slices all-gathered over tp"``, ``"slices as stored"``), as recorded by
-    :func:`record_reads` (plans without the record: the parameter's own redistributions only)."""
-    through = plan.solver_stats.get("state_reads", {}).get(node_name, [])
+    slices (``"slices all-gathered over tp"``, ``"slices as stored"``), as recorded in
+    ``plan.inspection.state_reads`` (:func:`autoparallel.solver.inspect.state_reads`; plans without
+    the record: the parameter's own redistributions only)."""
+    through = plan.inspection.state_reads.get(node_name, [])
     slices = {n for n in through if plan.nodes.get(n) is not None and plan.nodes[n].op.startswith("slice.")}
     uses = set()
     for c in plan.redistributions:
@@ -241,7 +225,7 @@ def parameter_use(plan: "Plan", node_name: str) -> str:
 def _parameters(plan: "Plan") -> str:
     groups: dict[tuple, list] = defaultdict(list)
     order = []
-    for node_name, names in plan.state_nodes.items():
+    for node_name, names in plan.inspection.state_nodes.items():
         node = plan.nodes.get(node_name)
         if node is None or not names:
             continue
@@ -264,7 +248,7 @@ def _parameters(plan: "Plan") -> str:
         if tied:
             shown += f" (= {', '.join(t.format('{' + ranges(idx) + '}') if idx else t for t in tied)})"
         rows.append((shown, str(list(shape)), spec, use))
-    return (f"parameters and buffers ({len(plan.state_nodes)} tensors, {len(rows)} kinds):\n"
+    return (f"parameters and buffers ({len(plan.inspection.state_nodes)} tensors, {len(rows)} kinds):\n"
             + _columns([("name", "shape", "placement", "use in compute")] + rows))
 
 
@@ -319,7 +303,7 @@ def _collective_rows(plan: "Plan", title: str, in_module, is_param) -> str:
                 continue
             back = _BACKWARD.get(m.kind)
             add(m.kind, m.axis, m.nbytes, "forward" + (f"; its gradient: {back} in the backward" if back else ""))
-    for node_name, names in plan.state_nodes.items():
+    for node_name, names in plan.inspection.state_nodes.items():
         node = plan.nodes.get(node_name)
         if node is None or not node.comm_s or not is_param(names[0]):
             continue

@@ -30,7 +30,7 @@ What is checked (every field the emitted module depends on):
 
 Informational fields, not checked: per-node ``compute_s``, ``comm_s``, ``memory_bytes``,
 each redistribution's ``cost_s`` and each move's ``nbytes``, the mesh's axis names, alpha and
-beta, ``estimate``, ``solver_stats``, and the checkpoint ``table``, ``recompute_s``,
+beta, ``estimate``, ``solver_stats``, ``inspection``, and the checkpoint ``table``, ``recompute_s``,
 ``chain_peak_bytes`` and ``every_stage``: no pass reads them, they change what the plan
 reports, not what the module computes.
 """

@@ -6,7 +6,7 @@ dropout 0, the loss computed inside: labels passed), on one device and on simula
 ``dp`` (``parallelism="data"``: parameters replicated), ``fsdp`` (``parallelism="fsdp"``:
 parameters sharded, all-gathered for use) and ``tp`` (:class:`TensorParallel` prices: the
 planner splits every parameter it can and computes on the shards). Printed: the plan's
-``estimate["memory"]`` next to the peak that
+``estimate.memory`` next to the peak that
 ``torch.distributed._tools.mem_tracker.MemTracker`` records over one steady-state AdamW
 step (optimizer states present, gradients set to None before the step). Under simulated
 ranks the tracker sees every rank's tensors; their total is divided by the mesh size.
@@ -152,11 +152,11 @@ def checkpointing():
     model, batch = gpt2()
     cost = autoparallel.CostModel("cpu")
     free = autoparallel.plan(model, _meta(batch), mesh_shape=(1,), cost_model=cost, cache_dir=False)
-    b = free.estimate["memory"]["breakdown"]
-    acts = b["activations"] + b["temporaries"]
-    budget = int(free.estimate["peak_memory_bytes"] - acts / 2)
+    b = free.estimate.memory.breakdown
+    acts = b.activations + b.temporaries
+    budget = int(free.estimate.peak_memory_bytes - acts / 2)
     mib = 2 ** 20
-    print(f"\ncheckpointing, gpt2 on one device: no-checkpoint peak {free.estimate['peak_memory_bytes'] / mib:.1f} MiB "
+    print(f"\ncheckpointing, gpt2 on one device: no-checkpoint peak {free.estimate.peak_memory_bytes / mib:.1f} MiB "
           f"(activations and temporaries {acts / mib:.1f} MiB), budget {budget / mib:.1f} MiB")
     traced = autoparallel.tracer.ColoTracer().trace(model, _meta(batch))
     mesh, ranks = _mesh((1,))
@@ -171,7 +171,7 @@ def checkpointing():
         base = _step_seconds(plain, batch)
         rows = [("Rotor schedule", ck, ck.plan.checkpoint.recompute_s),
                 ("every stage", every, ck.plan.checkpoint.every_stage.recompute_s)]
-        step_model = free.estimate["step_time_s"]
+        step_model = free.estimate.step_time_s
         print(f"  regions chosen: {[(r.start, r.stop) for r in ck.plan.checkpoint.regions]}")
         for label, module, recompute in rows:
             t = _step_seconds(module, batch)
@@ -198,12 +198,12 @@ def main():
             shape = tuple(int(x) for x in m.split("x"))
             for kind in args.plans.split(",") if math.prod(shape) > 1 else ["dp"]:
                 plan, measured = run(name, shape, kind)
-                est = plan.estimate["memory"]
-                err = est["peak_bytes"] / measured - 1
-                parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in est["breakdown"].items() if v)
-                print(f"{name:6} {m:5} {kind:5} {sharded_fraction(plan):6.0%} {est['peak_bytes'] / mib:8.1f} MiB "
+                est = plan.estimate.memory
+                err = est.peak_bytes / measured - 1
+                parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in est.breakdown.items() if v)
+                print(f"{name:6} {m:5} {kind:5} {sharded_fraction(plan):6.0%} {est.peak_bytes / mib:8.1f} MiB "
                       f"{measured / mib:6.1f} MiB {100 * err:+6.1f}%  {'OK ' if abs(err) <= 0.1 else 'MISSED'} "
-                      f"({parts}; {est['phase']})")
+                      f"({parts}; {est.phase})")
     if not args.no_checkpoint:
         checkpointing()
 

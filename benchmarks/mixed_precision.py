@@ -40,9 +40,9 @@ def main():
         p = autoparallel.plan(model, {"input_ids": ids, "labels": ids}, mesh_shape=(2, 4), mp_policy=policy,
                               cost_model=autoparallel.CostModel("h100"), cache_dir=False)
         est = p.estimate
-        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in est["memory"]["breakdown"].items() if v)
-        print(f"{name:<18} step {est['step_time_s'] * 1e3:.1f} ms (compute {est['compute_s'] * 1e3:.1f}, "
-              f"communication {est['comm_s'] * 1e3:.1f}), peak {est['peak_memory_bytes'] / 2**30:.2f} GiB "
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in est.memory.breakdown.items() if v)
+        print(f"{name:<18} step {est.step_time_s * 1e3:.1f} ms (compute {est.compute_s * 1e3:.1f}, "
+              f"communication {est.comm_s * 1e3:.1f}), peak {est.peak_memory_bytes / 2**30:.2f} GiB "
               f"({parts}); planned in {time.perf_counter() - t0:.1f} s")
 
 

@@ -75,7 +75,7 @@ ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 polic
 }
 
 
-def run(name, solver, share, stamp, budget=None):
+def run(name, solver, share, stamp, budget=None, baselines=False):
     build, (b, s), mesh, target, llm = ROWS[name]
     with torch.device("meta"):
         model = build()
@@ -88,8 +88,7 @@ def run(name, solver, share, stamp, budget=None):
     plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_shape=mesh, solver=solver,
                              share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp,
                              baselines=baselines, **kw)
-    plan.solver_stats["cpu_s"] = _cpu_s() - cpu0
-    return plan, time.perf_counter() - t0, target, model, (b, s), mesh
+    return plan, time.perf_counter() - t0, _cpu_s() - cpu0, target, model, (b, s), mesh
 
 
 def _cpu_s() -> float:
@@ -113,14 +112,14 @@ def split_per_axis(plan) -> list[float]:
 
 def memory_lines(plan) -> str:
     gib = 2 ** 30
-    m = plan.estimate["memory"]
-    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m["breakdown"].items() if v)
-    budget = plan.estimate.get("memory_budget_bytes")
+    m = plan.estimate.memory
+    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m.breakdown.items() if v)
+    budget = plan.estimate.memory_budget_bytes
     ck = plan.checkpoint
-    return (f"  memory: modelled peak {plan.estimate['peak_memory_bytes'] / gib:.2f} GiB per device, budget "
+    return (f"  memory: modelled peak {plan.estimate.peak_memory_bytes / gib:.2f} GiB per device, budget "
             f"{'none' if budget is None else format(budget / gib, '.1f') + ' GiB'} "
             f"({'recomputing ' + str(len(ck.regions)) + ' regions' if ck else 'no recomputation'}; at the peak "
-            f"without it, in the {m['phase']}: {parts} GiB)\n"
+            f"without it, in the {m.phase}: {parts} GiB)\n"
             f"  parallelism: parameters split along mesh axes "
             f"{', '.join(f'{a}: {f:.0%}' for a, f in enumerate(split_per_axis(plan)))}; "
             f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
@@ -141,28 +140,29 @@ def main():
     totals = {}
     for name in args.rows.split(","):
         for share in ([True, False] if args.no_share else [True]):
-            plan, total, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp, args.budget,
-                                                             args.baselines)
+            plan, total, cpu_s, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp,
+                                                                    args.budget, args.baselines)
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
             print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, mesh))}{tag}")
-            parts = {"trace": st["trace_s"], "strategies": st["strategies_s"], "memory model": st["memory_s"],
-                     "costs": st["costs_s"], "ILP": st["stage1_s"], "remat": st["remat_s"],
-                     "inspect": st["inspect_s"], "baselines": st.get("baselines_s", 0.0)}
+            stage = st.stage_s
+            parts = {"trace": stage["trace"], "strategies": stage["strategies"], "memory model": stage["memory"],
+                     "costs": stage["costs"], "ILP": stage["stage1"], "remat": stage["remat"],
+                     "inspect": stage["inspect"], "baselines": stage.get("baselines", 0.0)}
             parts["other"] = total - sum(parts.values())
             print(f"  {' | '.join(f'{k} {v:.2f} s' for k, v in parts.items())} | total {total:.2f} s"
-                  f" (target < {target:.0f} s: {'OK' if total < target else 'MISSED'}; {st['cpu_s']:.2f} CPU s; load "
+                  f" (target < {target:.0f} s: {'OK' if total < target else 'MISSED'}; {cpu_s:.2f} CPU s; load "
                   f"average {os.getloadavg()[0]:.1f})")
-            print(f"  ({st['stamped_layers']} layers stamped; last ILP solve: build {st['build_s']:.2f} s, solve "
-                  f"{st['solve_s']:.2f} s; {st['memory_rounds']} solves for the budget)")
-            print(f"  ILP: {st['nodes']} nodes -> {st['groups']} groups (followers merged) -> {st['ilp_groups']} "
-                  f"(blocks shared, {st['shared_nodes']} nodes share variables); {st['binary_vars']} node vars, "
-                  f"{st['edge_vars']} edge vars, {st['constraints']} constraints; {st['solver']}, "
-                  f"status {st['status']}, gap {st['gap']:.2%}")
+            print(f"  ({st.stamped_layers} layers stamped; last ILP solve: build {st.build_s:.2f} s, solve "
+                  f"{st.solve_s:.2f} s; {st.memory_rounds} solves for the budget)")
+            print(f"  ILP: {st.nodes} nodes -> {st.groups} groups (followers merged) -> {st.ilp_groups} "
+                  f"(blocks shared, {st.shared_nodes} nodes share variables); {st.binary_vars} node vars, "
+                  f"{st.edge_vars} edge vars, {st.constraints} constraints; {st.solver}, "
+                  f"status {st.status}, gap {st.gap:.2%}")
             est = plan.estimate
-            print(f"  plan: estimated step {est['step_time_s'] * 1e3:.1f} ms, {len(plan.collectives)} forward "
-                  f"collectives, objective {st['objective_s'] * 1e3:.3f} ms")
+            print(f"  plan: estimated step {est.step_time_s * 1e3:.1f} ms, {len(plan.collectives)} forward "
+                  f"collectives, objective {st.objective_s * 1e3:.3f} ms")
             print(memory_lines(plan))
             if share:
                 totals[name] = total

@@ -53,8 +53,8 @@ def row(vocab: int, batch: int, preset: str) -> str:
         e = plan.estimate
         loss = next(n for n in plan.nodes.values() if n.op == "cross_entropy_loss.default")
         wte = next(n for n in plan.nodes.values() if n.op == "embedding.default" and n.module_path == "transformer.wte")
-        lines.append(f"  {label:24s} step {e['step_time_s'] * 1e6:8.1f} us  comm {e['comm_s'] * 1e6:6.1f} us  "
-                     f"grad {e['grad_comm_s'] * 1e6:5.1f} us  loss {loss.specs_str()}  wte {wte.specs_str()}")
+        lines.append(f"  {label:24s} step {e.step_time_s * 1e6:8.1f} us  comm {e.comm_s * 1e6:6.1f} us  "
+                     f"grad {e.grad_comm_s * 1e6:5.1f} us  loss {loss.specs_str()}  wte {wte.specs_str()}")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ in interleaved rounds (each round times ``--steps`` steps of every variant in tu
 rotating from round to round); the step time is the median over rounds of the slowest rank's
 mean step. A step is forward, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``;
 ``fwd+bwd`` is its forward and backward part; the plan's estimate
-(``plan.estimate["step_time_s"]``) predicts the whole step, the optimizer step included.
+(``plan.estimate.step_time_s``) predicts the whole step, the optimizer step included.
 
 Peak memory per device, the largest rank: on CUDA, ``torch.cuda.max_memory_allocated`` over the
 variant's warm-up steps (counter reset once it is built) minus what was allocated before it was
@@ -150,7 +150,7 @@ class Variant:
         self.name, self.mesh, self.configs, self.kind, self.na = name, mesh, configs, kind, na
         self.module, self.batch, self.mean_loss = module, batch, mean_loss
         self.optimizer = None
-        self.estimate = None          # autoparallel: plan.estimate["step_time_s"]
+        self.estimate = None          # autoparallel: plan.estimate.step_time_s
         self.est_parts = {}           # autoparallel: compute_s, comm_s, peak_memory_bytes of the estimate
         self.plan_s = None
         self.step_s, self.fb_s = [], []
@@ -241,8 +241,8 @@ def build_variants(args, model_name, model, s, batch, device_type, rank, world):
             v.plan_s = time.perf_counter() - t0
             if v.module is not None:
                 est = v.module.plan.estimate
-                v.estimate = float(est["step_time_s"])
-                v.est_parts = {k: est.get(k) for k in ("compute_s", "comm_s", "peak_memory_bytes")}
+                v.estimate = float(est.step_time_s)
+                v.est_parts = {k: getattr(est, k) for k in ("compute_s", "comm_s", "peak_memory_bytes")}
                 v.est_parts["forward_collectives"] = len(v.module.plan.collectives)
                 v.est_parts["mesh_spec"] = v.module.plan.mesh.to_json()
             yield v
@@ -511,7 +511,7 @@ def table(results: list[dict]) -> str:
         f"s/step: median over {r0.get('rounds')} interleaved rounds of the slowest rank's mean over {r0.get('steps')} "
         f"steps, after {r0.get('warmup')} warm-up steps; a step is forward, backward, AdamW step, zero_grad; "
         f"fwd+bwd is its first part, optimizer the rest (medians' difference)",
-        "estimate: plan.estimate['step_time_s'] (forward, backward and optimizer step), est/meas = estimate / "
+        "estimate: plan.estimate.step_time_s (forward, backward and optimizer step), est/meas = estimate / "
         "measured s/step; "
         f"cost model: {r0.get('cost_model')}" + (f"; links as planned: {'; '.join(links)}" if links else ""),
         f"peak MiB: per device, largest rank, {r0.get('memory')}; loss0: the step-0 loss of the global batch "

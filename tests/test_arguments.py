@@ -132,4 +132,4 @@ def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
         plan(model, inputs, mesh=MeshSpec((2,)), mesh_spec=MeshSpec((2,)), cache_dir=False)
     with pytest.warns(DeprecationWarning, match="share_layers="):
         unshared = plan(model, inputs, mesh_shape=(2,), share_blocks=False, cache_dir=False)
-    assert unshared.solver_stats["shared_nodes"] == 0
+    assert unshared.solver_stats.shared_nodes == 0

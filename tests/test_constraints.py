@@ -80,16 +80,16 @@ def test_constrained_plan_honours_every_constraint_and_costs_no_less(gpt2):
     logits = [c for c in plan.redistributions if c.dst == "output" and c.arg == 1]
     produced = [n for n in plan.nodes.values() if n.out_shapes and n.out_shapes[0] == (4, 16, 128)]
     assert any(n.output_specs[0] == (Shard(0), Shard(1)) for n in produced) and not logits
-    assert plan.solver_stats["placement_constraints"]["transformer.h.*.mlp.c_proj.weight"] == "S0(tp)"
-    assert plan.solver_stats["objective_s"] >= free.solver_stats["objective_s"] * (1 - 1e-9)
-    assert plan.estimate["step_time_s"] >= free.estimate["step_time_s"] * (1 - 1e-9)
+    assert plan.inspection.placement_constraints["transformer.h.*.mlp.c_proj.weight"] == "S0(tp)"
+    assert plan.solver_stats.objective_s >= free.solver_stats.objective_s * (1 - 1e-9)
+    assert plan.estimate.step_time_s >= free.estimate.step_time_s * (1 - 1e-9)
 
 
 def test_free_choice_as_constraint_gives_the_free_plan(gpt2):
     free = _plan(gpt2)
     fixed = {name: format_spec(spec, AXES) for name, spec in free.param_placements.items() if "h.0." in name}
     plan = _plan(gpt2, constraints=fixed)
-    assert plan.solver_stats["objective_s"] == pytest.approx(free.solver_stats["objective_s"], rel=1e-9)
+    assert plan.solver_stats.objective_s == pytest.approx(free.solver_stats.objective_s, rel=1e-9)
 
 
 def test_impossible_constraint_names_pattern_tensor_and_choices(gpt2):
@@ -117,8 +117,8 @@ def test_constraints_enter_the_cache_key(gpt2, tmp_path):
     a = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=tmp_path)
     b = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=tmp_path, constraints={"lm_head.weight": "R"})
     c = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=tmp_path, constraints={"lm_head.weight": "R"})
-    assert a.solver_stats["cache"] == "miss" and b.solver_stats["cache"] == "miss"
-    assert c.solver_stats["cache"] == "hit" and b.param_placements["lm_head.weight"] == (R, R)
+    assert a.solver_stats.cache == "miss" and b.solver_stats.cache == "miss"
+    assert c.solver_stats.cache == "hit" and b.param_placements["lm_head.weight"] == (R, R)
 
 
 def test_stored_and_used(gpt2):
@@ -127,10 +127,10 @@ def test_stored_and_used(gpt2):
     plan = _plan(gpt2, constraints={"transformer.h.*.mlp.c_fc.weight": "S0(dp) S1(tp) -> S1(tp)",
                                     "transformer.wpe.weight": "S0(dp) S0(tp) -> R"})
     assert plan.param_placements["transformer.h.1.mlp.c_fc.weight"] == (Shard(0), Shard(1))
-    node = {names[0]: n for n, names in plan.state_nodes.items()}
+    node = {names[0]: n for n, names in plan.inspection.state_nodes.items()}
     assert parameter_use(plan, node["transformer.h.1.mlp.c_fc.weight"]) == "all-gathered over dp"
     assert parameter_use(plan, node["transformer.wpe.weight"]) == "all-gathered over dp,tp"
-    assert plan.solver_stats["placement_constraints"]["transformer.wpe.weight"] == "S0(dp) S0(tp) -> R"
+    assert plan.inspection.placement_constraints["transformer.wpe.weight"] == "S0(dp) S0(tp) -> R"
     with pytest.raises(ConstraintError, match="-> R by .* and to S0\\(dp\\) S0\\(tp\\) -> S0\\(tp\\) by"):
         _plan(gpt2, constraints={"transformer.wpe.weight": "S0(dp) S0(tp) -> R",
                                  "transformer.wpe.*": "S0(dp) S0(tp) -> S0(tp)"})

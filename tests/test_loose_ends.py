@@ -102,10 +102,11 @@ def test_printed_placements_pin_back_the_same_plan():
     cut = next(n for n in p.nodes.values() if any(isinstance(x, UnitShard) for x in n.output_specs[0]))
     assert format_spec(cut.output_specs[0], names) in p.explain(cut.name)  # explain prints it as well
 
-    pins = {names_[0]: format_spec(p.param_placements[names_[0]], names) for names_ in p.state_nodes.values()}
+    pins = {names_[0]: format_spec(p.param_placements[names_[0]], names)
+            for names_ in p.inspection.state_nodes.values()}
     again = autoparallel.plan(_gpt2_25_heads(), meta, constraints=pins, **kw)
     assert again.param_placements == p.param_placements
-    assert again.solver_stats["objective_s"] == pytest.approx(p.solver_stats["objective_s"], rel=1e-9)
+    assert again.solver_stats.objective_s == pytest.approx(p.solver_stats.objective_s, rel=1e-9)
     assert any(isinstance(x, UnitShard) for n in again.nodes.values() for s in n.output_specs for x in s)
 
     outputs = {path: node.name for path, node in module_outputs(capture(_gpt2_25_heads(), meta).gm).items()}
@@ -115,7 +116,7 @@ def test_printed_placements_pin_back_the_same_plan():
     assert all(again.nodes[name].output_specs == p.nodes[name].output_specs for name in outputs.values())
     # pinning lm_head's output (P S2) where the free plan has it adds 0.2 µs (3e-5 relative) to the ILP objective:
     # noted in docs/design.md, "Loose ends a user meets"
-    assert again.estimate["step_time_s"] == pytest.approx(p.estimate["step_time_s"], rel=1e-3)
+    assert again.estimate.step_time_s == pytest.approx(p.estimate.step_time_s, rel=1e-3)
 
 
 # ---------------------------------------------------------------- the summary's "use in compute"
@@ -143,7 +144,7 @@ def test_summary_follows_the_slices_of_a_fused_projection():
     p = autoparallel.plan(model, inputs, mesh_spec=MESH, constraints=tp.constraints,
                           cache_dir=False)
     use = _use_column(p, "transformer.h.{0..1}.attn.c_attn.weight")
-    slices = {n for through in p.solver_stats["state_reads"].values() for n in through}
+    slices = {n for through in p.inspection.state_reads.values() for n in through}
     moved = {m.kind for c in p.redistributions if c.src in slices for m in c.moves}
     assert moved, "the slices should be redistributed for compute"
     assert "slices split over tp" in use and use != "as stored", use
@@ -175,7 +176,7 @@ def test_fsdp_recipes_gather_param_dtype_under_bf16():
     for name in ("FSDP (ZeRO-3)", "FSDP + TP"):
         plan = next(r for r in c.rows if r.name == name).plan
         assert plan is not None, name
-        used = [pattern for pattern, text in plan.solver_stats["placement_constraints"].items() if "->" in text]
+        used = [pattern for pattern, text in plan.inspection.placement_constraints.items() if "->" in text]
         params, copies = set(), set()  # the parameters pinned STORED -> USED, and their casts and slices
         for n in traced.gm.graph.nodes:
             if n.op == "get_attr" and any(fnmatch.fnmatchcase(t, p) for t in traced.params.get(n.target, ())

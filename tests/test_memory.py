@@ -57,7 +57,7 @@ def test_estimate_within_20_percent_of_measured(name):
     batch = batch_for(name, 0, batch=16, seq=32)
     est = _estimated_peak(model, batch)
     real = _measured_peak(_as_captured(model), batch)
-    assert abs(est.peak_bytes - real) <= 0.2 * real, (est.as_dict(), real)
+    assert abs(est.peak_bytes - real) <= 0.2 * real, (est, real)
     assert sum(est.breakdown.values()) == est.peak_bytes
 
 
@@ -90,12 +90,12 @@ def _gpt2_planning():
 def test_budget_bounds_the_modelled_peak():
     model, inputs = _gpt2_planning()
     free = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False)
-    peak = free.estimate["memory"]["peak_bytes"]
+    peak = free.estimate.memory.peak_bytes
     budget = int(0.85 * peak)
     tight = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=budget)
-    assert tight.estimate["memory"]["peak_bytes"] <= budget < peak
-    assert tight.estimate["step_time_s"] >= free.estimate["step_time_s"]
-    assert tight.solver_stats["memory_rows"] >= 1
+    assert tight.estimate.memory.peak_bytes <= budget < peak
+    assert tight.estimate.step_time_s >= free.estimate.step_time_s
+    assert tight.solver_stats.memory_rows >= 1
 
 
 @pytest.mark.slow  # 4-15 s: in the full tier (make test), not the everyday one
@@ -106,7 +106,7 @@ def test_infeasible_budget_states_the_smallest_reachable():
     reachable = int(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
     assert "largest tensors" in str(err.value)  # what dominates the smallest peak
     ok = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=reachable)
-    assert ok.estimate["peak_memory_bytes"] <= reachable
+    assert ok.estimate.peak_memory_bytes <= reachable
 
 
 def _checkpointed(mesh_shape, sim_mesh, frac=0.7):
@@ -119,7 +119,7 @@ def _checkpointed(mesh_shape, sim_mesh, frac=0.7):
     batch = batch_for("gpt2", 0, batch=8, seq=32)
     cost = autoparallel.CostModel("cpu")
     free = autoparallel.plan(ref, to_meta(batch), mesh_shape=mesh_shape, cost_model=cost, cache_dir=False)
-    budget = int(frac * free.estimate["peak_memory_bytes"])
+    budget = int(frac * free.estimate.peak_memory_bytes)
     mesh = sim_mesh(mesh_shape)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
@@ -161,6 +161,6 @@ def test_checkpointed_plan_roundtrips_json():
     inputs = to_meta(batch_for("gpt2", 0, batch=8, seq=32))
     free = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
     p = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"),
-                          memory_budget=int(0.7 * free.estimate["peak_memory_bytes"]))
+                          memory_budget=int(0.7 * free.estimate.peak_memory_bytes))
     assert p.checkpoint and Plan.from_json(p.to_json()) == p
-    assert p.estimate["step_time_s"] > free.estimate["step_time_s"]
+    assert p.estimate.step_time_s > free.estimate.step_time_s

@@ -75,9 +75,9 @@ def test_logits_returned_sharded_and_counted_at_llama_scale():
         if len(shape) == 3:  # the logits: split, not gathered to every device
             assert math.prod(local_shape(shape, spec, (8, 8))) < math.prod(shape)
         returned += math.prod(local_shape(shape, spec, (8, 8))) * 4
-    mem = plan.estimate["memory"]
-    assert mem["phase"] == "backward" and mem["breakdown"]["outputs"] == returned
-    assert mem["peak_bytes"] < 80 * GIB  # was 176.6 GiB before the saved log-softmax was counted once and split
+    mem = plan.estimate.memory
+    assert mem.phase == "backward" and mem.breakdown.outputs == returned
+    assert mem.peak_bytes < 80 * GIB  # was 176.6 GiB before the saved log-softmax was counted once and split
 
 
 def _measured(pmodel, batch, ranks) -> int:
@@ -117,21 +117,21 @@ def test_modelled_peak_within_10_percent_of_measured(name, mesh_shape, kind, sim
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cache_dir=False, **options)
         measured = _measured(pmodel, batch, ranks)
-    est = pmodel.plan.estimate["memory"]
+    est = pmodel.plan.estimate.memory
     if kind == "fsdp":
-        assert est["breakdown"]["gathered"] > 0
-    assert abs(est["peak_bytes"] - measured) <= 0.1 * measured, (est, measured)
+        assert est.breakdown.gathered > 0
+    assert abs(est.peak_bytes - measured) <= 0.1 * measured, (est, measured)
 
 
 def test_default_budget_is_the_device_memory_less_the_reserve():
     model, inputs = hf_model("gpt2"), to_meta(batch_for("gpt2", 0))
     a100 = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False)
-    assert a100.estimate["memory_budget_bytes"] == int(PRESETS["a100"].memory * (1 - RESERVE_FRACTION))
+    assert a100.estimate.memory_budget_bytes == int(PRESETS["a100"].memory * (1 - RESERVE_FRACTION))
     assert not a100.checkpoint
     off = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, memory_budget="unlimited")
-    assert "memory_budget_bytes" not in off.estimate
+    assert off.estimate.memory_budget_bytes is None
     cpu = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
-    assert cpu.estimate["memory_budget_bytes"] == int(host_memory() * (1 - RESERVE_FRACTION))
+    assert cpu.estimate.memory_budget_bytes == int(host_memory() * (1 - RESERVE_FRACTION))
     assert resolve_budget("2GiB", lambda: 0) == 2 * GIB and resolve_budget(" Unlimited ", lambda: 0) is None
     with pytest.raises(ValueError, match="cannot read memory budget"):
         resolve_budget("lots", lambda: 0)

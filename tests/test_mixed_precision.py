@@ -98,15 +98,15 @@ def test_half_precision_is_priced_at_half_precision_rates():
                                                                                 dtype=torch.bfloat16),), **kw)
     for a, b, c in zip(_linear_compute(fp32), _linear_compute(mixed), _linear_compute(bf16_model)):
         assert a == pytest.approx(2 * b) and b == pytest.approx(c)
-    mem = {name: p.estimate["memory"]["breakdown"] for name, p in
+    mem = {name: p.estimate.memory.breakdown for name, p in
            (("fp32", fp32), ("mixed", mixed), ("bf16", bf16_model))}
     n_params = sum(p.numel() for p in _mlp(1024).parameters())
     # fp32 master parameters and two AdamW states (held the whole step, so at the peak too);
     # the all-bf16 model holds them in bf16
     for kind, copies in (("parameters", 1), ("optimizer", 2)):
-        assert mem["mixed"][kind] == mem["fp32"][kind] == copies * 4 * n_params, kind
-        assert mem["bf16"][kind] == copies * 2 * n_params, kind
-    assert mem["mixed"]["activations"] < mem["fp32"]["activations"]
+        assert getattr(mem["mixed"], kind) == getattr(mem["fp32"], kind) == copies * 4 * n_params, kind
+        assert getattr(mem["bf16"], kind) == copies * 2 * n_params, kind
+    assert mem["mixed"].activations < mem["fp32"].activations
 
 
 def test_gradients_are_priced_and_reduced_in_reduce_dtype():
@@ -155,16 +155,16 @@ def test_fsdp_recipe_gathers_half_precision_weights():
 def test_plan_records_the_policy(tmp_path):
     meta = (torch.empty(8, 64, device="meta"),)
     p = autoparallel.plan(_mlp(), meta, mesh_shape=2, mp_policy=BF16, cache_dir=tmp_path)
-    assert p.mp_policy == BF16 and p.solver_stats["cache"] == "miss"
+    assert p.mp_policy == BF16 and p.solver_stats.cache == "miss"
     assert "compute in bfloat16" in p.table() and "gradients reduced in float32" in p.table()
     again = autoparallel.Plan.from_json(p.to_json())
     assert again == p and again.mp_policy == BF16
     assert json.loads(p.to_json())["mp_policy"]["param_dtype"] == "bfloat16"
     # the policy is part of the cache key: each policy is solved once, then loaded
     hit = autoparallel.plan(_mlp(), meta, mesh_shape=2, mp_policy=BF16, cache_dir=tmp_path)
-    assert hit.solver_stats["cache"] == "hit" and hit.mp_policy == BF16
+    assert hit.solver_stats.cache == "hit" and hit.mp_policy == BF16
     other = autoparallel.plan(_mlp(), meta, mesh_shape=2, mp_policy=BF16_REDUCE, cache_dir=tmp_path)
-    assert other.solver_stats["cache"] == "miss" and other.mp_policy == BF16_REDUCE
+    assert other.solver_stats.cache == "miss" and other.mp_policy == BF16_REDUCE
     plain = autoparallel.plan(_mlp(), meta, mesh_shape=2, cache_dir=tmp_path)
     assert plain.mp_policy is None and json.loads(plain.to_json())["mp_policy"] is None
     old = json.loads(plain.to_json())

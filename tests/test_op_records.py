@@ -44,7 +44,7 @@ def test_a_model_of_the_new_records_trains_as_on_one_device(mesh_shape, cost, si
     for op in ("lstm.input", "gru.input", "group_norm.default", "einsum.default", "embedding_bag.padding_idx",
                "hardswish_.default"):
         assert op in split, f"{op} should run on a split batch; split: {sorted(split)}"
-    assert not pmodel.plan.solver_stats["fallback_ops"]
+    assert not pmodel.plan.inspection.fallback_ops
 
 
 def test_the_records_hold_the_special_cases():

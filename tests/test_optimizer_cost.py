@@ -49,8 +49,8 @@ def test_cost_scales_with_the_local_shard():
     assert whole == pytest.approx(traffic + overhead)
     assert quarter == pytest.approx(traffic / 4 + overhead)
     # in a plan: sharding every parameter over the mesh of 4 (FSDP) against replicating them (DDP)
-    data = _plan(CostModel(TRAFFIC_ONLY), parallelism="data").estimate["optimizer_s"]
-    fsdp = _plan(CostModel(TRAFFIC_ONLY), parallelism="fsdp").estimate["optimizer_s"]
+    data = _plan(CostModel(TRAFFIC_ONLY), parallelism="data").estimate.optimizer_s
+    fsdp = _plan(CostModel(TRAFFIC_ONLY), parallelism="fsdp").estimate.optimizer_s
     params = 4 * (256 * 256 + 256)
     assert data == pytest.approx(7 * params * 4 / TRAFFIC_ONLY.mem_bw)
     assert fsdp == pytest.approx(data / 4)
@@ -61,8 +61,8 @@ def test_sgd_costs_less_than_adamw():
     for impl in ("for-loop", "foreach"):
         times = {o: cm.optimizer_step_time(4096, 4, o, impl, params=8) for o in OPTIMIZER_STATES}
         assert times["sgd"] < times["sgd_momentum"] < times["adam"] < times["adamw"], (impl, times)
-    sgd = _plan(CostModel("cpu"), optimizer="sgd").estimate["optimizer_s"]
-    adamw = _plan(CostModel("cpu"), optimizer="adamw").estimate["optimizer_s"]
+    sgd = _plan(CostModel("cpu"), optimizer="sgd").estimate.optimizer_s
+    adamw = _plan(CostModel("cpu"), optimizer="adamw").estimate.optimizer_s
     assert 0 < sgd < adamw
 
 
@@ -79,12 +79,12 @@ def test_foreach_shares_its_group_ops():
 def test_estimate_includes_the_optimizer_step():
     plan = _plan(CostModel("cpu"), mesh=(2, 2))
     est = plan.estimate
-    assert 0 < est["optimizer_s"] < est["compute_s"]
-    assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
-    assert plan.solver_stats["objective_s"] == pytest.approx(est["step_time_s"], rel=1e-9)
+    assert 0 < est.optimizer_s < est.compute_s
+    assert est.step_time_s == pytest.approx(est.compute_s + est.comm_s)
+    assert plan.solver_stats.objective_s == pytest.approx(est.step_time_s, rel=1e-9)
     # each trainable parameter's row carries its update: the rows add up to optimizer_s
     params = [n for n in plan.nodes.values() if n.op == "get_attr"]
-    assert sum(n.compute_s for n in params) == pytest.approx(est["optimizer_s"])
+    assert sum(n.compute_s for n in params) == pytest.approx(est.optimizer_s)
     assert "(optimizer step " in str(plan)
 
 
@@ -99,8 +99,8 @@ def test_world_spanning_bucket_is_one_all_reduce():
     per_axis = sum(cm.collective_time("all_reduce", a, nbytes) for a in range(2))
     world = cm.collective_time("all_reduce", None, nbytes)
     assert world == pytest.approx(mesh.alpha[0] + 1.5 * nbytes * mesh.beta[0])
-    assert plan.estimate["grad_comm_s"] == pytest.approx(world)
-    assert plan.estimate["grad_comm_s"] < per_axis
+    assert plan.estimate.grad_comm_s == pytest.approx(world)
+    assert plan.estimate.grad_comm_s < per_axis
     # the slowest axis' link prices the ring over the world
     slow = CostModel("cpu").bind(MeshSpec((2, 2), alpha=(1e-6, 5e-6), beta=(1e-10, 4e-10)))
     assert slow.collective_time("all_reduce", None, nbytes) == pytest.approx(5e-6 + 1.5 * nbytes * 4e-10)
@@ -210,8 +210,8 @@ def test_dtensor_overhead_is_paid_once_any_parameter_is_sharded():
     data = _plan(overhead_only, parallelism="data")
     pinned = _plan(overhead_only, constraints={"layers.0.weight": "S0"})
     assert all(p == Replicate() for s in data.param_placements.values() for p in s)
-    assert data.estimate["optimizer_s"] == pytest.approx(params * (ops.per_param + ops.per_param_plain) * 1e-6)
-    assert pinned.estimate["optimizer_s"] == pytest.approx(params * (ops.per_param * 1e-5 + ops.per_param_plain * 1e-6))
+    assert data.estimate.optimizer_s == pytest.approx(params * (ops.per_param + ops.per_param_plain) * 1e-6)
+    assert pinned.estimate.optimizer_s == pytest.approx(params * (ops.per_param * 1e-5 + ops.per_param_plain * 1e-6))
 
 
 def test_cpu_default_is_the_per_tensor_loop(dtensor_params):
@@ -262,5 +262,5 @@ def test_plan_for_cuda_on_any_build(caplog):
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         plan = autoparallel.plan(model, to_meta(batch_for("llama", 0)), mesh_shape=(2,), device="cuda",
                                  cost_model=CostModel(TRAFFIC_ONLY), cache_dir=False)
-    assert plan.estimate["peak_memory_bytes"] > 0
+    assert plan.estimate.peak_memory_bytes > 0
     assert ("built without cuda" in caplog.text) == (not torch.backends.cuda.is_built())

@@ -37,7 +37,7 @@ def test_an_options_object_and_keywords_give_the_same_plan():
     by_keywords = autoparallel.plan(MLP(), inputs, mesh_shape=(2,), cache_dir=False, memory_budget="unlimited",
                                     time_limit=30)
     assert by_object.param_placements == by_keywords.param_placements
-    assert by_object.estimate["step_time_s"] == by_keywords.estimate["step_time_s"]
+    assert by_object.estimate.step_time_s == by_keywords.estimate.step_time_s
     # keywords replace the object's fields; the object itself is not changed (it is frozen)
     replaced = autoparallel.plan(MLP(), inputs, mesh_shape=(2,), options=options, parallelism="data")
     assert all(p == (torch.distributed.tensor.Replicate(),) for p in replaced.param_placements.values())

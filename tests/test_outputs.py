@@ -94,8 +94,8 @@ def _plans(mesh_shape=(2,)):
 def test_estimate_and_validation():
     plans, traced = _plans()
     sharded, replicated = plans["sharded"], plans["replicated"]
-    assert sharded.estimate["step_time_s"] <= replicated.estimate["step_time_s"]
-    assert sharded.estimate["peak_memory_bytes"] <= replicated.estimate["peak_memory_bytes"]
+    assert sharded.estimate.step_time_s <= replicated.estimate.step_time_s
+    assert sharded.estimate.peak_memory_bytes <= replicated.estimate.peak_memory_bytes
     assert not any(c.dst == "output" for c in sharded.redistributions if c.shape[-1] == 128)  # logits
     for p in plans.values():
         validate_plan(Plan.from_json(p.to_json()), traced)

@@ -57,16 +57,16 @@ def test_overlappable_bucket_priced_below_a_blocking_one():
 def test_plan_prices_exposed_gradient_reduction():
     plan = _mlp_plan(Overlapped("cpu"), batch=256, parallelism="data")
     est = plan.estimate
-    assert 0 < est["exposed_grad_comm_s"] < est["grad_comm_s"]
-    assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["comm_s"])
+    assert 0 < est.exposed_grad_comm_s < est.grad_comm_s
+    assert est.step_time_s == pytest.approx(est.compute_s + est.comm_s)
     blocking = _mlp_plan(BlockingSlowLink("cpu"), batch=256, parallelism="data").estimate
     overlapped = _mlp_plan(SlowLink("cpu"), batch=256, parallelism="data").estimate
-    assert blocking["exposed_grad_comm_s"] == pytest.approx(blocking["grad_comm_s"])
-    assert overlapped["grad_comm_s"] == pytest.approx(blocking["grad_comm_s"])
-    assert overlapped["exposed_grad_comm_s"] < blocking["exposed_grad_comm_s"]
+    assert blocking.exposed_grad_comm_s == pytest.approx(blocking.grad_comm_s)
+    assert overlapped.grad_comm_s == pytest.approx(blocking.grad_comm_s)
+    assert overlapped.exposed_grad_comm_s < blocking.exposed_grad_comm_s
     # the first layer's gradient launches after the last backward op that depends on it: exposed in full
     first = 256 * 256 * 4 + 256 * 4
-    assert overlapped["exposed_grad_comm_s"] >= first * 1e-9 * (1 - 1e-9)
+    assert overlapped.exposed_grad_comm_s >= first * 1e-9 * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("cost_model, mesh, parallelism", [
@@ -75,8 +75,8 @@ def test_plan_prices_exposed_gradient_reduction():
     (SlowLink("cpu"), (2,), "auto")])
 def test_objective_equals_estimated_step_time(cost_model, mesh, parallelism):
     plan = _mlp_plan(cost_model, batch=128, mesh=mesh, parallelism=parallelism)
-    assert plan.solver_stats["objective_s"] == pytest.approx(plan.estimate["step_time_s"], rel=1e-9)
-    assert plan.solver_stats["exposed_s"] <= plan.estimate["exposed_grad_comm_s"] + 1e-15
+    assert plan.solver_stats.objective_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+    assert plan.solver_stats.exposed_s <= plan.estimate.exposed_grad_comm_s + 1e-15
 
 
 def test_overlap_makes_data_parallelism_win():
@@ -90,15 +90,15 @@ def test_overlap_makes_data_parallelism_win():
     blocking = _mlp_plan(BlockingSlowLink(cpu), batch=192)
     assert all(all(p == R for p in s) for s in overlapped.param_placements.values())
     assert any(any(p != R for p in s) for s in blocking.param_placements.values())
-    assert overlapped.estimate["step_time_s"] < blocking.estimate["step_time_s"]
+    assert overlapped.estimate.step_time_s < blocking.estimate.step_time_s
 
 
 def test_plan_json_round_trip_keeps_the_estimate():
     plan = _mlp_plan(SlowLink("cpu"), batch=192)
     again = autoparallel.Plan.from_json(plan.to_json())
     assert again.to_json() == plan.to_json()
-    assert again.estimate["exposed_grad_comm_s"] == plan.estimate["exposed_grad_comm_s"]
-    assert again.estimate["grad_comm_s"] == plan.estimate["grad_comm_s"]
+    assert again.estimate.exposed_grad_comm_s == plan.estimate.exposed_grad_comm_s
+    assert again.estimate.grad_comm_s == plan.estimate.grad_comm_s
 
 
 def test_ilp_exposed_rows_and_fixed_charges():

@@ -70,7 +70,7 @@ def _solved(make, mesh_shape, budget_frac=None, **kw):
     options = PlanOptions(**{"cost_model": CPU, "time_limit": 30, "cache_dir": False, **kw})
     plan = plan_traced(traced, autoparallel.MeshSpec(mesh_shape), options)
     if budget_frac is not None:
-        budget = int(budget_frac * plan.estimate["peak_memory_bytes"])
+        budget = int(budget_frac * plan.estimate.peak_memory_bytes)
         plan = plan_traced(traced, autoparallel.MeshSpec(mesh_shape), PlanOptions.build(options, memory_budget=budget))
     return traced, plan
 
@@ -114,7 +114,7 @@ def test_from_json_rejects_bad_specs(mlp_plan, spec, match):
     (lambda d: d["param_placements"].update({"layers.0.weight": ["S0", "R"]}), "has 2 placements"),
     (lambda d: d["mesh"].update(shape=[2, 0]), "mesh: .*at least 1 device"),
     (lambda d: d["mesh"].update(beta=[-1.0]), "mesh: .*beta must be positive"),
-    (lambda d: d.update(estimate={"step_time_s": "1 s"}), "step_time_s must be a number"),
+    (lambda d: d["estimate"].update(step_time_s="1 s"), "step_time_s must be a number"),
     (lambda d: d.update(checkpoint={"stages": {"linear": 0}, "regions": [{"start": 0, "stop": 5, "children": []}],
                                     "table": [], "recompute_s": 0.0}), r"covers stages \[0, 5\)"),
 ])
@@ -198,8 +198,8 @@ def _emitted(traced, plan):
 
 
 INFORMATIONAL = {"node.compute_s", "node.comm_s", "node.memory_bytes", "redistribution.cost_s", "move.nbytes",
-                 "mesh.axis_names", "mesh.alpha", "mesh.beta", "estimate", "solver_stats", "checkpoint.table",
-                 "checkpoint.recompute_s", "checkpoint.every_stage"}
+                 "mesh.axis_names", "mesh.alpha", "mesh.beta", "estimate", "solver_stats", "inspection",
+                 "checkpoint.table", "checkpoint.recompute_s", "checkpoint.every_stage"}
 
 
 def _tokens(rank):
@@ -295,6 +295,7 @@ def _tampers(d, rng, per_kind):
     add("mesh.beta", set_at("mesh", "beta", value=[1e-6] * ndim))
     add("estimate", set_at("estimate", "step_time_s", value=123.0))
     add("solver_stats", set_at("solver_stats", "solve_s", value=99.0))
+    add("inspection", set_at("inspection", "fallback_ops", value=["aten.ghost"]))
     cp = d["checkpoint"]
     if cp:
         for name, s in cp["stages"].items():
@@ -396,13 +397,13 @@ def test_cache_ignores_and_replaces_a_plan_that_does_not_fit(tmp_path, caplog, s
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         again = autoparallel.plan(model, inputs, **kw)
-    assert again.solver_stats["cache"] == "miss"
+    assert again.solver_stats.cache == "miss"
     assert any("planning again" in m for m in _cache_warnings(caplog)), caplog.text
     stored = Plan.from_json(path.read_text())  # replaced by the new plan
     assert [n.to_json() for n in stored.nodes.values()] == [n.to_json() for n in first.nodes.values()]
     assert stored.param_placements == again.param_placements == first.param_placements
     caplog.clear()
-    assert autoparallel.plan(model, inputs, **kw).solver_stats["cache"] == "hit" and not _cache_warnings(caplog)
+    assert autoparallel.plan(model, inputs, **kw).solver_stats.cache == "hit" and not _cache_warnings(caplog)
 
 
 def test_cache_ignores_a_plan_that_moves_a_pinned_parameter(tmp_path, caplog):
@@ -422,7 +423,7 @@ def test_cache_ignores_a_plan_that_moves_a_pinned_parameter(tmp_path, caplog):
     _only_file(tmp_path / "pinned").write_text(sharded.to_json())  # fits the graph, not the pins
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         again = plan(tmp_path / "pinned", pinned)
-    assert again.solver_stats["cache"] == "miss" and again.param_placements == pinned
+    assert again.solver_stats.cache == "miss" and again.param_placements == pinned
     assert any("moves a parameter" in m for m in _cache_warnings(caplog))
 
 
@@ -447,7 +448,7 @@ def test_cache_write_failure_is_a_warning(tmp_path, caplog, monkeypatch, how):
     model, inputs = _mlp()
     with caplog.at_level(logging.WARNING, logger="autoparallel"):
         p = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=folder)
-    assert p.solver_stats["cache"] == "miss" and p.nodes
+    assert p.solver_stats.cache == "miss" and p.nodes
     warnings = _cache_warnings(caplog)
     assert len(warnings) == 1 and "could not write the plan cache" in warnings[0], warnings
     if how != "path-is-a-file":

@@ -176,12 +176,12 @@ def test_plan_with_a_saved_profile_records_its_costs(tmp_path):
     cm = CostModel.from_profile(tmp_path / "p.json")
     planned = autoparallel.plan(model, inputs, cost_model=cm, cache_dir=tmp_path / "cache")
     assert planned.mesh == p.mesh_spec()  # no mesh given: the profiled one
-    assert planned.estimate["costs"] == cm.describe() and f"priced by {cm.describe()}" in str(planned)
-    assert autoparallel.Plan.from_json(planned.to_json()).estimate["costs"] == cm.describe()
+    assert planned.estimate.costs == cm.describe() and f"priced by {cm.describe()}" in str(planned)
+    assert autoparallel.Plan.from_json(planned.to_json()).estimate.costs == cm.describe()
     cached = autoparallel.plan(model, inputs, cost_model=CostModel.from_profile(p), cache_dir=tmp_path / "cache")
-    assert cached.solver_stats["cache"] == "hit"
+    assert cached.solver_stats.cache == "hit"
     preset = autoparallel.plan(model, inputs, mesh_shape=(2, 2), cache_dir=tmp_path / "cache")
-    assert preset.solver_stats["cache"] == "miss" and preset.estimate["costs"] == "preset a100"
+    assert preset.solver_stats.cache == "miss" and preset.estimate.costs == "preset a100"
     with pytest.raises(ValueError, match="measured on a mesh"):
         autoparallel.plan(model, inputs, mesh_shape=(4,), cost_model=cm, cache_dir=False)
 
@@ -204,7 +204,7 @@ def test_simulated_ranks_keep_the_preset(sim_mesh, monkeypatch):
     with LocalTensorMode(frozenset(range(2))):
         pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cache_dir=False)
         loss = pmodel(**batch)
-    assert pmodel.plan.estimate["costs"] == "preset a100"
+    assert pmodel.plan.estimate.costs == "preset a100"
     want = ref(**batch)
     for v in loss._local_tensors.values():
         torch.testing.assert_close(v, want)
@@ -274,7 +274,7 @@ def _worker(rank: int, cache_dir: str, out: str) -> None:
     ref = copy.deepcopy(model)
     pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cache_dir=cache_dir)
     t3 = time.perf_counter()
-    assert pmodel.plan.estimate["costs"] == f"profile {profile.key} ({profile.identity['device_name']})"
+    assert pmodel.plan.estimate.costs == f"profile {profile.key} ({profile.identity['device_name']})"
     assert pmodel.plan.mesh == profile.mesh_spec()
     torch.testing.assert_close(pmodel(**batch), ref(**batch))
     if rank == 0:

@@ -82,17 +82,17 @@ def test_compare_prices_each_recipe_as_the_plan_with_its_constraints():
     traced = capture(model, inputs)
     recipe = next(r for r in recipes(traced, mesh) if r.name == "Megatron TP over x")
     again = autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, constraints=recipe.constraints)
-    assert again.estimate["step_time_s"] == tp.plan.estimate["step_time_s"]
+    assert again.estimate.step_time_s == tp.plan.estimate.step_time_s
     assert again.param_placements == tp.plan.param_placements
     for r in c.rows[1:4]:
-        assert r.plan.estimate["step_time_s"] >= c.plan.estimate["step_time_s"] * (1 - 1e-9)
+        assert r.plan.estimate.step_time_s >= c.plan.estimate.step_time_s * (1 - 1e-9)
     # compare() plans every recipe; its plan's baselines are its rows
-    assert list(c.plan.estimate["baselines"]) == names[1:]
+    assert list(c.plan.inspection.baselines) == names[1:]
     for r in c.rows[1:4]:
         est = r.plan.estimate
-        assert c.plan.estimate["baselines"][r.name] == {"step_time_s": est["step_time_s"], "comm_s": est["comm_s"],
-                                                        "recompute_s": 0.0, "peak_memory_bytes": est["peak_memory_bytes"]}
-    assert c.plan.estimate["baselines"]["FSDP + TP"] == {"reason": c.rows[4].reason}
+        assert c.plan.inspection.baselines[r.name] == {"step_time_s": est.step_time_s, "comm_s": est.comm_s,
+                                                        "recompute_s": 0.0, "peak_memory_bytes": est.peak_memory_bytes}
+    assert c.plan.inspection.baselines["FSDP + TP"] == {"reason": c.rows[4].reason}
     _check_plain_baselines(autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, baselines=True), c)
     assert "vs this plan's step, same cost model: DDP" in str(c.plan)
     with pytest.raises(TypeError, match="pass no baselines"):
@@ -103,16 +103,16 @@ def _check_plain_baselines(plan, c):
     """``plan``'s default baselines against compare()'s rows: DDP and the fastest recipe
     planned alike; a recipe left out for its bound is no faster than the bound says, and the
     bound is above the fastest recipe's step."""
-    base = plan.estimate["baselines"]
+    base = plan.inspection.baselines
     assert list(base) == [r.name for r in c.rows[1:]] and "step_time_s" in base["DDP"]
-    fastest = c.best_recipe().plan.estimate["step_time_s"]
+    fastest = c.best_recipe().plan.estimate.step_time_s
     assert min(b["step_time_s"] for b in base.values() if "step_time_s" in b) == fastest
     for r in c.rows[1:]:
         b = base[r.name]
         if "step_time_s" in b:
-            assert b["step_time_s"] == r.plan.estimate["step_time_s"] and b["comm_s"] == r.plan.estimate["comm_s"]
+            assert b["step_time_s"] == r.plan.estimate.step_time_s and b["comm_s"] == r.plan.estimate.comm_s
         elif "step_at_least_s" in b:
-            assert fastest < b["step_at_least_s"] <= r.plan.estimate["step_time_s"] * (1 + 1e-9), (r.name, b)
+            assert fastest < b["step_at_least_s"] <= r.plan.estimate.step_time_s * (1 + 1e-9), (r.name, b)
         else:
             assert b == {"reason": r.reason}
 
@@ -149,11 +149,11 @@ def test_recipes_keep_repeated_layers_shared():
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     c = compare(model, {"input_ids": ids, "labels": ids.clone()}, mesh_spec=MESH,
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    free = c.plan.solver_stats["shared_nodes"]
+    free = c.plan.solver_stats.shared_nodes
     per_layer = free // 6  # layers 2..7 share the variables of layers 0 and 1
     for r in c.rows[1:]:
         assert r.plan is not None, r.reason
-        assert r.plan.solver_stats["shared_nodes"] >= free - per_layer, (r.name, r.plan.solver_stats)
+        assert r.plan.solver_stats.shared_nodes >= free - per_layer, (r.name, r.plan.solver_stats)
 
 
 def test_restricted_planner_keeps_layer_templates_only_when_they_hold():

@@ -37,9 +37,9 @@ def test_plot_writes_a_png(plan, tmp_path):
     assert out == [str(tmp_path / "sub" / "p.png")]
     w, h = _png_size(out[0])
     assert w >= 800 and h >= 600
-    tl = plan.estimate["memory_timeline"]
-    assert max(tl["total"]) == plan.estimate["memory"]["peak_bytes"]  # the sampling keeps the peak
-    assert plan.estimate["memory_budget_bytes"] == 64 * 2**20
+    tl = plan.inspection.memory_timeline
+    assert max(tl["total"]) == plan.estimate.memory.peak_bytes  # the sampling keeps the peak
+    assert plan.estimate.memory_budget_bytes == 64 * 2**20
 
 
 def test_layer_times_add_up_to_the_step(plan):
@@ -47,8 +47,8 @@ def test_layer_times_add_up_to_the_step(plan):
 
     rows = layer_times(plan)
     assert [r[0] for r in rows][:4] == ["before layers", "transformer.h.0", "transformer.h.1", "after layers"]
-    assert sum(r[1] for r in rows) == pytest.approx(plan.estimate["compute_s"])
-    assert sum(r[1] + r[2] + r[3] for r in rows) == pytest.approx(plan.estimate["step_time_s"], rel=1e-6)
+    assert sum(r[1] for r in rows) == pytest.approx(plan.estimate.compute_s)
+    assert sum(r[1] + r[2] + r[3] for r in rows) == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
 
 
 def test_plot_without_matplotlib_names_the_extra(plan, tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ def _plan_and_emit(sim_mesh):
         pmodel = autoparallel.autoparallelize(model, to_meta({"x": torch.randn(4, 12, 16)}), device_mesh=mesh,
                                               cost_model=autoparallel.CostModel("cpu"), cache_dir=False)
     (call,) = [n for n in pmodel.graph_module.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
-    return pmodel.plan.estimate["peak_memory_bytes"], bool(call.kwargs.get("is_causal"))
+    return pmodel.plan.estimate.peak_memory_bytes, bool(call.kwargs.get("is_causal"))
 
 
 def test_memory_model_and_lowering_read_one_registry(sim_mesh, monkeypatch):

@@ -425,7 +425,7 @@ def _huber_rule(node, in_shapes, out_shapes):
 
 def test_a_node_no_rule_covers_is_a_fallback_everywhere(monkeypatch):
     """A rule that gives nothing for a node (and DTensor's registry has no entry): the
-    generator records it (plan.solver_stats["fallback_ops"]), coverage() reports it as a
+    generator records it (plan.inspection.fallback_ops), coverage() reports it as a
     replicate fallback beside the op's covered node, and strict=True raises for it."""
     op = "aten.huber_loss.default"
     monkeypatch.setitem(RECORDS, aten.huber_loss.default, OpRecord(_huber_rule))
@@ -440,7 +440,7 @@ def test_a_node_no_rule_covers_is_a_fallback_everywhere(monkeypatch):
     with pytest.raises(ShardingRuleError, match=r"aten\.huber_loss\.default \(used in: <root>\)"):
         StrategyGenerator((4,), strict=True).generate(traced.gm)
     plan = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False)
-    assert plan.solver_stats["fallback_ops"] == [op]
+    assert plan.inspection.fallback_ops == [op]
 
 
 def test_pointwise_rule_declines_an_input_that_does_not_broadcast_into_the_output():

@@ -147,8 +147,8 @@ def test_stamped_plan_costs_the_same():
     kw = dict(mesh_shape=(2, 2), cost_model=COST_MODELS["shard-params"](), cache_dir=False)
     a = autoparallel.plan(model, inputs, **kw)
     b = autoparallel.plan(model, inputs, stamp_layers=False, **kw)
-    assert a.solver_stats["stamped_layers"] == 4 and b.solver_stats["stamped_layers"] == 0
-    assert a.solver_stats["objective_s"] == pytest.approx(b.solver_stats["objective_s"], rel=1e-9)
+    assert a.solver_stats.stamped_layers == 4 and b.solver_stats.stamped_layers == 0
+    assert a.solver_stats.objective_s == pytest.approx(b.solver_stats.objective_s, rel=1e-9)
 
 
 @pytest.mark.slow
@@ -157,4 +157,4 @@ def test_stamped_module_parity(sim_mesh, mesh_shape, cost):
     """GPT-2 with 6 layers (2 stamped): loss and every gradient equal to one device, before
     and after an SGD step; the stamped layers' parameters are the model's own."""
     pmodel = run_parity("gpt2", mesh_shape, cost, sim_mesh, steps=2, ref=deep("gpt2", 6))
-    assert pmodel.plan.solver_stats["stamped_layers"] == 2
+    assert pmodel.plan.solver_stats.stamped_layers == 2

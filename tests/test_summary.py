@@ -63,9 +63,9 @@ def test_summary_length_does_not_grow_with_depth(gpt2_plan):
 
 def _check_alternatives(plan):
     checked = 0
-    for name, entry in plan.alternatives.items():
+    for name, entry in plan.inspection.alternatives.items():
         if "same_as" in entry:
-            assert entry["same_as"] in plan.alternatives
+            assert entry["same_as"] in plan.inspection.alternatives
             continue
         costs = [a["cost_s"] for a in entry["alternatives"]]
         assert costs == sorted(costs), name
@@ -84,7 +84,7 @@ def test_explain_alternatives_are_ordered_and_the_chosen_is_cheapest():
 
 def test_explain_alternatives_on_a_shared_layer_plan(gpt2_plan):
     assert _check_alternatives(gpt2_plan) > 20
-    assert any("same_as" in e for e in gpt2_plan.alternatives.values())
+    assert any("same_as" in e for e in gpt2_plan.inspection.alternatives.values())
 
 
 def test_explain_text(gpt2_plan):
@@ -95,7 +95,7 @@ def test_explain_text(gpt2_plan):
     assert "transformer.wte.weight" in tied
     module = gpt2_plan.explain("transformer.h.0.mlp.c_fc")  # every node run in the module
     assert module.count("  chosen ") >= 1 and "addmm" in module
-    node = next(n for n in gpt2_plan.alternatives if "same_as" not in gpt2_plan.alternatives[n])
+    node = next(n for n in gpt2_plan.inspection.alternatives if "same_as" not in gpt2_plan.inspection.alternatives[n])
     assert gpt2_plan.explain(node).startswith(node)
     with pytest.raises(KeyError, match="not a parameter, buffer, module path or node"):
         gpt2_plan.explain("no.such.thing")
@@ -108,9 +108,9 @@ def test_inspection_survives_json(gpt2_plan):
 
 
 def test_baselines_when_asked_printed_and_cached(gpt2_plan, tmp_path):
-    base = gpt2_plan.estimate["baselines"]
+    base = gpt2_plan.inspection.baselines
     assert set(base) == {"DDP", "FSDP (ZeRO-3)", "Megatron TP over tp, DP over dp", "FSDP + TP"}
-    step = gpt2_plan.estimate["step_time_s"]
+    step = gpt2_plan.estimate.step_time_s
     done = {n: b for n, b in base.items() if "step_time_s" in b}
     assert "DDP" in done and all(b["step_time_s"] >= step * (1 - 1e-9) for b in done.values())
     fastest = min(b["step_time_s"] for b in done.values())
@@ -135,10 +135,10 @@ def test_baselines_when_asked_printed_and_cached(gpt2_plan, tmp_path):
     inputs = {"input_ids": ids, "labels": ids.clone()}
     first = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=True)
     again = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path, baselines=True)
-    assert first.solver_stats["cache"] == "miss" and again.solver_stats["cache"] == "hit"
-    assert again.estimate["baselines"] == first.estimate["baselines"] and str(again) == str(first)
+    assert first.solver_stats.cache == "miss" and again.solver_stats.cache == "hit"
+    assert again.inspection.baselines == first.inspection.baselines and str(again) == str(first)
     off = autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=tmp_path)  # the default: not priced
-    assert off.solver_stats["cache"] == "miss" and "baselines" not in off.estimate  # its own cache entry
+    assert off.solver_stats.cache == "miss" and off.inspection.baselines is None  # its own cache entry
     assert "data parallelism and hand-written recipes: not priced" in str(off)
     with pytest.raises(TypeError, match="baselines must be True or False"):
         autoparallel.plan(model, inputs, mesh_spec=MESH, cache_dir=False, baselines="yes")
@@ -152,7 +152,7 @@ def test_baselines_when_asked_printed_and_cached(gpt2_plan, tmp_path):
                                         ({"DDP": {"step_time_s": 1.0}}, "missing field")])
 def test_plan_json_validates_baselines(gpt2_plan, bad, field):
     d = json.loads(gpt2_plan.to_json())
-    d["estimate"]["baselines"] = bad
+    d["inspection"]["baselines"] = bad
     with pytest.raises(ValueError, match=field):
         autoparallel.Plan.from_json(json.dumps(d))
 
@@ -164,9 +164,9 @@ def test_autoparallelize_plans_baselines_only_when_asked(sim_mesh):
     inputs = {"input_ids": ids, "labels": ids.clone()}
     mesh = sim_mesh((2,))
     on = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False, baselines=True)
-    assert "step_time_s" in on.plan.estimate["baselines"]["DDP"]
+    assert "step_time_s" in on.plan.inspection.baselines["DDP"]
     assert "vs this plan's step, same cost model: DDP" in str(on.plan)
     off = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False)
-    assert "baselines" not in off.plan.estimate and "baselines_s" not in off.plan.solver_stats
+    assert off.plan.inspection.baselines is None and "baselines" not in off.plan.solver_stats.stage_s
     with pytest.raises(TypeError, match="baselines must be True or False"):
         autoparallel.autoparallelize(model, inputs, device_mesh=mesh, baselines=None)

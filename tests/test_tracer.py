@@ -167,4 +167,4 @@ def test_item_as_a_scalar_multiplier_plans():
     `KeyError: item`) and reads its input replicated (checked numerically in test_rules)."""
     plan = autoparallel.plan(_ItemScaled(), (torch.empty(4, 16, device="meta"),), mesh_shape=(2,), cache_dir=False)
     assert plan.nodes["item"].input_specs == [(R,)] and plan.nodes["item"].output_specs == []
-    assert plan.estimate["memory"]["breakdown"]["activations"] == 0
+    assert plan.estimate.memory.breakdown.activations == 0

@@ -654,7 +654,7 @@ class CostModel:
         return key
 
     def describe(self) -> str:
-        """Which costs price the plan, for ``plan.estimate["costs"]``: ``"preset a100"``, or
+        """Which costs price the plan, for ``plan.estimate.costs``: ``"preset a100"``, or
         ``"profile <key> (<device name>)"`` (a subclass adds its class name)."""
         what = (f"profile {self.profile.key} ({self.profile.identity['device_name']})" if self.profile
                 else f"preset {self.device.name}")

@@ -65,6 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import rewrites
 from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
+from ..results import MemoryBreakdown, MemoryPeak
 from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
@@ -76,7 +77,7 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 DEFAULT_OPTIMIZER = "adamw"
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered", "temporaries", "outputs", "buffers")
+KINDS = tuple(k for k, _ in MemoryBreakdown().items())
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -205,10 +206,9 @@ class MemoryEstimate:
     steps: int
     breakdown: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_step": self.peak_step, "steps": self.steps,
-                "phase": "forward" if self.peak_step < self.steps // 2 else "backward",
-                "breakdown": dict(self.breakdown)}
+    def as_peak(self) -> MemoryPeak:
+        """The record a plan's estimate keeps (:class:`~autoparallel.results.MemoryPeak`)."""
+        return MemoryPeak(self.peak_bytes, self.peak_step, self.steps, MemoryBreakdown(**self.breakdown))
 
 
 @dataclass

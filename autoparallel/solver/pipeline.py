@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -25,7 +26,6 @@ from ..options import PlanOptions
 from ..placement import R, Shard, Spec, spec_str, spec_to_json
 from ..plan import Plan
 from ..strategies import StrategyGenerator
-from ..summary import record_reads
 from ..tracer.annotate import node_info
 from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
@@ -76,17 +76,17 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
     t_memory = time.perf_counter() - t1
     progress.stage("costs and ILP solve")
     plan = planner.solve(solver=options.solver, time_limit=options.time_limit, memory_budget=budget)
-    record_reads(plan, traced.gm)  # what the summary follows from a parameter to its cast and slices
-    plan.estimate["costs"] = cost_model.describe()
+    plan.estimate = replace(plan.estimate, costs=cost_model.describe())
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
-             st["binary_vars"], st["edge_vars"], st["solver"], st["solve_s"], st["costs_s"],
-             plan.estimate["step_time_s"])
-    st.update(strategies_s=t1 - t0, memory_s=t_memory, stamped_layers=traced.stamped_layers,
-              fallback_ops=sorted(gen.fallbacks), cache="miss" if folder is not None else "off")
+             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"], plan.estimate.step_time_s)
+    st.stage_s.update(strategies=t1 - t0, memory=t_memory)
+    st.stamped_layers = traced.stamped_layers
+    st.cache = "miss" if folder is not None else "off"
+    plan.inspection.fallback_ops = sorted(gen.fallbacks)
     plan.mp_policy = options.mp_policy
     if user_pins:
-        st["placement_constraints"] = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
+        plan.inspection.placement_constraints = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
     if baselines:
         _price_recipes(plan, traced, mesh, options, planner, unconstrained, budget, rows)
     cache.store(folder, key, plan)
@@ -114,8 +114,8 @@ def _cached(folder, key: str, traced, mesh: MeshSpec, pinned) -> Plan | None:
                     "planning again")
         return None
     if hit is not None:
-        hit.solver_stats["cache"] = "hit"
-        hit.solver_stats["stamped_layers"] = traced.stamped_layers  # the graph is the same either way
+        hit.solver_stats.cache = "hit"
+        hit.solver_stats.stamped_layers = traced.stamped_layers  # the graph is the same either way
     return hit
 
 
@@ -159,13 +159,13 @@ def _price_recipes(plan: Plan, traced, mesh, options: PlanOptions, planner, unco
     progress.stage("baselines")
     t0 = time.perf_counter()
     priced = recipes.price(traced, mesh, planner, unconstrained, solver=options.solver,
-                           time_limit=options.time_limit, memory_budget=budget, costs=plan.estimate["costs"],
+                           time_limit=options.time_limit, memory_budget=budget, costs=plan.estimate.costs,
                            every=rows is not None)
     if rows is not None:
         rows.extend(priced)
-    plan.estimate["baselines"] = recipes.baselines(priced)
-    plan.solver_stats["baselines_s"] = time.perf_counter() - t0
-    log.info("baselines: %d recipes priced (%.2f s)", len(priced), plan.solver_stats["baselines_s"])
+    plan.inspection.baselines = recipes.baselines(priced)
+    plan.solver_stats.stage_s["baselines"] = time.perf_counter() - t0
+    log.info("baselines: %d recipes priced (%.2f s)", len(priced), plan.solver_stats.stage_s["baselines"])
 
 
 def _fsdp(strategies, repl: Spec) -> None:

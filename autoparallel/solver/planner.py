@@ -8,7 +8,7 @@ import functools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,14 +20,14 @@ from ..mesh import MeshSpec
 from ..placement import R, Spec, is_replicated, local_shape
 from ..errors import InfeasiblePlanError
 from ..plan import Redistribution, NodePlan, Plan, holds_dtensors, returned_spec
+from ..results import Estimate, Inspection, SolverStats
 from ..graph import (aliased_input, is_view, layer_of, layers_of, moves_no_data, output_leaves, tensor_inputs,
                      written_inputs)
 from ..strategies import Strategy, record_of
 from ..tracer.annotate import node_info
 from .shared_layers import layer_templates
-from ..explain import alternatives
-from ..plot import memory_timeline
 from .costs import CostModel, exposed_comm_time, optimizer_implementation
+from .inspect import alternatives, memory_timeline, state_reads
 from .ilp import FixedCharge, Flow, ILPEdge, ILPProblem, solve
 from .memory import DEFAULT_OPTIMIZER, MemoryModel
 from .remat import build_chain, chain_stages, checkpoint_plan
@@ -82,7 +82,7 @@ class GroupedProblem:
         group: group root → its index in ``ilp.node_costs``.
         edges: every edge of the graph: ``(consumer or None for the output, input
             position, (producer, output index), requires_grad)``.
-        stats: ``groups``, ``ilp_groups`` and ``shared_nodes``, for ``Plan.solver_stats``.
+        stats: ``groups``, ``ilp_groups`` and ``shared_nodes``, for :class:`~autoparallel.results.SolverStats`.
     """
 
     ilp: ILPProblem
@@ -620,12 +620,12 @@ class Planner:
         sharding alone fits and ``checkpointing`` is on, stage 2 (:mod:`.remat`) picks
         activations to recompute on the plan of stage 1, re-solving stage 1 with a tighter
         allowance a bounded number of times until the recomputation schedule fits. ``inspect``
-        records what the summary, explain and plot read (:meth:`_inspectable`; about a tenth
-        of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
+        records what the summary, explain and plot read (``plan.inspection``: :meth:`_inspectable`;
+        about a tenth of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
         ``built``: this planner's :meth:`build_problem`, when the caller already built it.
-        ``plan.solver_stats`` holds the seconds of each part: ``costs_s`` (pricing, building the
-        problem), ``stage1_s`` (every stage-1 solve, model building included), ``remat_s``
-        (stage 2), ``inspect_s``.
+        ``plan.solver_stats.stage_s`` holds the seconds of each part: ``costs`` (pricing, building
+        the problem), ``stage1`` (every stage-1 solve, model building included), ``remat``
+        (stage 2), ``inspect``.
 
         Raises:
             InfeasiblePlanError: when no plan fits the budget; the message gives the
@@ -647,30 +647,32 @@ class Planner:
         t_remat = time.perf_counter() - t1 - t_stage1
         choice, sol, rounds = found
         plan = plan or self.make_plan(choice, built.edges)
+        if memory_budget is not None:
+            plan.estimate = replace(plan.estimate, memory_budget_bytes=int(memory_budget))
         if checkpoint is not None:
             plan.checkpoint, peak = checkpoint
-            plan.estimate["step_time_s"] += plan.checkpoint.recompute_s
-            plan.estimate["peak_memory_bytes"] = plan.estimate["memory"]["checkpointed_peak_bytes"] = peak
-        plan.solver_stats = dict(sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
-                                 strategies=sum(len(s) for s in self.strategies.values()), costs_s=t_costs,
-                                 stage1_s=t_stage1, remat_s=t_remat,
-                                 memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats)
+            recompute = plan.checkpoint.recompute_s
+            plan.estimate = replace(plan.estimate, step_time_s=plan.estimate.step_time_s + recompute,
+                                    recompute_s=recompute, peak_memory_bytes=peak)
+        plan.solver_stats = SolverStats(**sol.stats, nodes=len(self.nodes), edges=len(built.ilp.edges),
+                                        strategies=sum(len(s) for s in self.strategies.values()),
+                                        memory_rows=len(built.ilp.memory_rows), memory_rounds=rounds, **built.stats,
+                                        stage_s={"costs": t_costs, "stage1": t_stage1, "remat": t_remat})
         if inspect:
-            self._inspectable(plan, choice, built.edges, memory_budget)
+            self._inspectable(plan, choice, built.edges)
         return plan
 
-    def _inspectable(self, plan: Plan, choice, edges, memory_budget) -> None:
-        """Record what the plan's summary, explain and plot read (:mod:`autoparallel.summary`):
-        parameter names per node, each node's alternatives, the memory timeline and budget."""
+    def _inspectable(self, plan: Plan, choice, edges) -> None:
+        """Record what the plan's summary, explain and plot read (:mod:`autoparallel.solver.inspect`):
+        parameter names per node and what they are read through, each node's alternatives, the
+        memory timeline."""
         t0 = time.perf_counter()
-        plan.solver_stats["state_nodes"] = {n.name: list(self.param_names[n.target]) for n in self.nodes
-                                            if n.op == "get_attr" and n.target in self.param_names}
-        plan.solver_stats["alternatives"] = alternatives(self, choice, edges)
-        if self.memory is not None:
-            plan.estimate["memory_timeline"] = memory_timeline(self.memory, choice)
-        if memory_budget is not None:
-            plan.estimate["memory_budget_bytes"] = int(memory_budget)
-        plan.solver_stats["inspect_s"] = time.perf_counter() - t0
+        state = {n.name: list(self.param_names[n.target]) for n in self.nodes
+                 if n.op == "get_attr" and n.target in self.param_names}
+        timeline = memory_timeline(self.memory, choice) if self.memory is not None else None
+        plan.inspection = Inspection(state_nodes=state, state_reads=state_reads(self.gm, state),
+                                     alternatives=alternatives(self, choice, edges), memory_timeline=timeline)
+        plan.solver_stats.stage_s["inspect"] = time.perf_counter() - t0
 
     def _decode(self, built: GroupedProblem, sol) -> dict[fx.Node, Strategy]:
         """Node → strategy of an ILP solution."""
@@ -858,7 +860,7 @@ class Planner:
             if node.op == "get_attr" and node.target in self.param_names:
                 for name in self.param_names[node.target]:
                     params[name] = choice[node].outputs[0]
-        memory = self.memory.estimate(choice).as_dict() if self.memory is not None else None
+        memory = self.memory.estimate(choice).as_peak() if self.memory is not None else None
         compute = sum(n.compute_s for n in nodes.values())
         comm = sum(n.comm_s for n in nodes.values()) + sum(c.cost_s for c in redistributions if c.dst == "output")
         # the nodes' comm_s hold their gradients' whole bandwidth; the step waits for the exposed part
@@ -870,11 +872,9 @@ class Planner:
             overhead = self.dtensor_overhead()
             optimizer += overhead
             compute += overhead
-        estimate = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
-                    "grad_comm_s": grad_total, "exposed_grad_comm_s": grad_exposed}
-        if memory:
-            estimate["peak_memory_bytes"] = memory["peak_bytes"]
-            estimate["memory"] = memory
+        estimate = Estimate(step_time_s=compute + comm, compute_s=compute, comm_s=comm, optimizer_s=optimizer,
+                            grad_comm_s=grad_total, exposed_grad_comm_s=grad_exposed,
+                            peak_memory_bytes=memory.peak_bytes if memory else None, memory=memory)
         return Plan(self.mesh, nodes, redistributions, params, estimate, outputs=self.outputs)
 
 
