@@ -13,6 +13,7 @@ op (which admits no redistribution) are checked one at a time instead. Every sam
 sample's captured graph.
 """
 
+import copy
 import functools
 
 import pytest
@@ -335,7 +336,7 @@ def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets, samples=SAMP
         what = f"{name} on {mesh_shape}: {forced}"
         try:
             with LocalTensorMode(frozenset(range(mesh.size()))):
-                pmodel = emit(model, traced, plan, mesh)
+                pmodel = emit(copy.deepcopy(model), traced, plan, mesh)
                 outs = _leaves(pmodel())
                 for o, r in zip(outs, ref_out):
                     for v in _ranks(o.detach()):

@@ -1,6 +1,7 @@
 """str(plan) is a one-screen summary; plan.explain(name) gives the chosen strategy and the
 next best alternatives, taken from the solve."""
 
+import copy
 import json
 
 import pytest
@@ -163,10 +164,10 @@ def test_autoparallelize_plans_baselines_only_when_asked(sim_mesh):
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids.clone()}
     mesh = sim_mesh((2,))
-    on = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False, baselines=True)
+    on = autoparallel.autoparallelize(copy.deepcopy(model), inputs, device_mesh=mesh, cache_dir=False, baselines=True)
     assert "step_time_s" in on.plan.inspection.baselines["DDP"]
     assert "vs this plan's step, same cost model: DDP" in str(on.plan)
-    off = autoparallel.autoparallelize(model, inputs, device_mesh=mesh, cache_dir=False)
+    off = autoparallel.autoparallelize(copy.deepcopy(model), inputs, device_mesh=mesh, cache_dir=False)
     assert off.plan.inspection.baselines is None and "baselines" not in off.plan.solver_stats.stage_s
     with pytest.raises(TypeError, match="baselines must be True or False"):
         autoparallel.autoparallelize(model, inputs, device_mesh=mesh, baselines=None)
