@@ -119,7 +119,8 @@ class Variant:
         graph_module: the per-device ``fx.GraphModule``, reading the module's parameters.
         plan: its :class:`~autoparallel.Plan`.
         in_spec / out_spec: pytree specs of ``(args, kwargs)`` and of the output.
-        input_meta: per flattened input, global ``(shape, dtype)`` or ``(None, value)``.
+        input_meta: per flattened input, ``(shape, dtype)`` as the caller passes it (global;
+            one rank's under ``plan.inputs == "local"``) or ``(None, value)``.
         buffer_mutations: flat output index → buffer the forward updates (written back).
         training: the module mode the graph was captured in (dropout, BatchNorm).
         returned: per flat output, ``(placements, global shape)`` of a value the graph returns
@@ -151,7 +152,8 @@ class ParallelModule(NotPicklable, nn.Module):
     ``clip_grad_norm_`` and ``state_dict()`` work unchanged; ``load_state_dict`` also takes
     a plain state dict (full tensors, e.g. the model's own or pretrained weights) and
     shards it like the module's parameters (rank 0's values). Inputs are the global batch,
-    the same on every rank (checked, see ``check_batch_every``); outputs come in the model's
+    the same on every rank (checked, see ``check_batch_every``), or under a plan for local
+    inputs each rank's own batch (not compared); outputs come in the model's
     output structure (e.g. a Hugging Face ``ModelOutput``): plain whole tensors where the
     plan returns them replicated (a loss; every output under ``outputs="replicated"``; a
     loss summed over devices that needs grad is a
