@@ -4,6 +4,7 @@ the module (:mod:`autoparallel.codegen.emit`). Nothing here is called back by a 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -14,7 +15,7 @@ from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
 from .codegen import ParallelModule
-from .codegen.emit import Recapture, emit
+from .codegen.emit import Recapture, check_rank_order, emit
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
 from .options import PlanOptions
@@ -26,6 +27,7 @@ from .solver.memory import device_capacity, resolve_budget
 from .solver.pipeline import plan_on_rank0, plan_traced
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import capture
+from .tracer.batch import global_batch
 from .validate import validate_plan
 
 
@@ -36,7 +38,9 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     Args:
         model: the model (real or meta-device weights).
         meta_inputs: dict of keyword arguments or tuple of positional ones, tensors on the
-            meta device (or FakeTensors) with **global** shapes.
+            meta device (or FakeTensors) with **global** shapes; with ``inputs="local"`` the
+            shapes one rank passes (the plan is for the global batch: each tensor's dim 0 times
+            the number of devices, ``prod(mesh_shape)``).
         mesh_shape: devices per mesh axis, e.g. ``(2, 4)``, or an int for a 1-D mesh; or
             give ``mesh_spec`` (not both).
         mesh_spec: a :class:`MeshSpec` (shape, axis names, alpha/beta; ``mesh`` is its
@@ -62,6 +66,7 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     """
     opts = PlanOptions.build(options, "plan", **keywords)
     mesh_spec = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, opts.cost_model)
+    meta_inputs = _global_inputs(meta_inputs, opts, mesh_spec.shape)
     t0 = time.perf_counter()
     traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
                      device=opts.device)
@@ -95,11 +100,26 @@ def compare(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSp
             raise TypeError(f"compare() prices the unconstrained plan against the recipes: pass no {key}")
     opts = PlanOptions.build(options, "compare", **keywords)
     mesh_spec = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, None, opts.cost_model)
-    traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
-                     device=opts.device)
+    traced = capture(model, _global_inputs(meta_inputs, opts, mesh_spec.shape), stamp_layers=opts.stamp_layers,
+                     mp_policy=opts.mp_policy, device=opts.device)
     rows: list[Row] = []
     best = plan_traced(traced, mesh_spec, opts, rows=rows)
     return Comparison(mesh_spec, [Row("autoparallel plan", best)] + rows)
+
+
+def _global_inputs(meta_inputs, opts: PlanOptions, mesh_shape):
+    """The inputs the capture and the plan see: ``meta_inputs`` as given (``inputs="global"``),
+    or, under ``inputs="local"`` (one rank's shapes), the global batch: each tensor's dim 0
+    times the number of devices (:func:`~autoparallel.tracer.batch.global_batch`). The one
+    place the facade turns local shapes into global ones (a re-plan does the same in
+    :class:`~autoparallel.codegen.emit.Recapture`).
+
+    Raises:
+        ValueError: under ``inputs="local"``, a 0-d tensor input (named).
+    """
+    if opts.inputs != "local":
+        return meta_inputs
+    return global_batch(meta_inputs, math.prod(mesh_shape))
 
 
 def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> MeshSpec:
@@ -157,6 +177,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
         meta_inputs: dict of keyword arguments or tuple of positional ones: meta tensors
             or FakeTensors with the **global** batch shapes, and the non-tensor arguments
             the module will be called with (``use_cache=False``), whose values are planned for.
+            With ``inputs="local"``: the shapes of what one rank passes, every rank its own
+            batch (as under DDP with a ``DistributedSampler``); the module computes on the
+            ranks' batches concatenated along dim 0 in rank order, its loss and gradients
+            those of that global batch.
         device_mesh: a ``torch.distributed.device_mesh.DeviceMesh`` spanning the world, its
             ranks in any order along each axis.
         options / keywords: the planning options, as :func:`plan` takes them
@@ -168,7 +192,7 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
             process group has no network to measure); ``memory_budget=None`` means the
             memory of this rank's device less a 10 % reserve (free GPU memory, or on CPUs
             the host's memory divided among its ranks, ``LOCAL_WORLD_SIZE``). With ``plan=``,
-            the plan's own ``outputs`` and ``mp_policy`` apply.
+            the plan's own ``outputs``, ``mp_policy`` and ``inputs`` apply.
         mesh_spec: alpha/beta per mesh axis (default: the profile's, or :class:`MeshSpec`
             defaults).
         plan: a :class:`Plan` (or its JSON) to run instead of planning, e.g. one saved with
@@ -187,7 +211,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
             (:class:`~autoparallel.ParallelModule`).
         check_batch_every: compare a fingerprint of the inputs across ranks on the first call
             and every this many calls (one all-reduce of two float64 numbers per input);
-            ranks that pass different batches raise InputMismatchError. ``0`` never checks.
+            ranks that pass different batches raise InputMismatchError. ``0`` never checks;
+            never checked under ``inputs="local"``.
         bucket_cap_mb: the largest gradient bucket in MiB: gradients of parameters replicated
             along mesh axes are all-reduced in buckets of at most this size, each launched
             during the backward as soon as its gradients exist (DDP's argument of that name;
@@ -195,10 +220,12 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
 
     Returns:
         ``model``, now a :class:`ParallelModule`: call it as before, with the global batch
-        on every rank.
+        on every rank (``inputs="local"``: each rank with its own batch).
 
     Raises:
-        MeshMismatchError: the mesh does not span the whole process group.
+        MeshMismatchError: the mesh does not span the whole process group; under
+            ``inputs="local"``, a mesh whose devices are not numbered in rank order
+            (:func:`~autoparallel.codegen.emit.check_rank_order`).
         PlanMismatchError: a ``plan`` that does not fit the captured graph or the mesh (the
             message names the first mismatch); ValueError: unreadable plan JSON.
         TypeError, ValueError: an argument of the wrong type or value (named in the message).
@@ -215,10 +242,13 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
                              memory_budget=_device_budget(opts.memory_budget, device_mesh),
                              replicate_buffers=not model.training,
                              outputs=plan.outputs if plan is not None else opts.outputs,
-                             mp_policy=plan.mp_policy if plan is not None else opts.mp_policy)
+                             mp_policy=plan.mp_policy if plan is not None else opts.mp_policy,
+                             inputs=plan.inputs if plan is not None else opts.inputs)
+    if opts.inputs == "local":
+        check_rank_order(device_mesh)  # before planning: the batches must concatenate in rank order
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
-        traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
-                         device=opts.device)
+        traced = capture(model, _global_inputs(meta_inputs, opts, mesh.shape), stamp_layers=opts.stamp_layers,
+                         mp_policy=opts.mp_policy, device=opts.device)
         if plan is None:
             plan = plan_on_rank0(traced, mesh, opts)
         else:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import precision
 from .constraints import check_type as check_constraints_type
-from .plan import OUTPUTS
+from .plan import INPUTS, OUTPUTS
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
@@ -72,10 +72,14 @@ class PlanOptions:
             CLI's ``--compare`` ask for them.
         replicate_buffers: plan every buffer replicated, not only those the forward writes
             (set for a model planned in eval mode, which training may write back whole).
+        inputs: ``"global"``: every rank passes the whole batch and ``meta_inputs`` have its
+            shapes; ``"local"``: every rank passes its own batch (DDP, a ``DistributedSampler``),
+            ``meta_inputs`` have one rank's shapes, and the module computes on the ranks'
+            batches concatenated along dim 0 in rank order (:data:`autoparallel.plan.INPUTS`).
 
     Raises (on construction):
         TypeError: an option of the wrong type (named, with the value given).
-        ValueError: an unknown ``solver``, ``parallelism``, ``optimizer`` or ``outputs``; a
+        ValueError: an unknown ``solver``, ``parallelism``, ``optimizer``, ``outputs`` or ``inputs``; a
             ``time_limit`` that is not positive and finite; an unreadable ``memory_budget``.
     """
 
@@ -95,6 +99,7 @@ class PlanOptions:
     mp_policy: MixedPrecisionPolicy | None = None
     baselines: bool = False
     replicate_buffers: bool = False
+    inputs: str = "global"
 
     def __post_init__(self):
         _check(self)
@@ -133,7 +138,8 @@ class PlanOptions:
         return {"strict": self.strict, "solver": self.solver, "parallelism": self.parallelism,
                "share_layers": self.share_layers, "memory_budget": budget, "optimizer": self.optimizer,
                "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
-               "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines}
+               "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
+               "inputs": self.inputs}
 
 
 def _check(o: PlanOptions) -> None:
@@ -160,6 +166,8 @@ def _check(o: PlanOptions) -> None:
         raise ValueError(f"optimizer must be one of {choices}, not {o.optimizer!r}")
     if o.outputs not in OUTPUTS:
         raise ValueError(f"outputs must be {' or '.join(map(repr, OUTPUTS))}, not {o.outputs!r}")
+    if not isinstance(o.inputs, str) or o.inputs not in INPUTS:
+        raise ValueError(f"inputs must be {' or '.join(map(repr, INPUTS))}, not {o.inputs!r}")
     if o.constraints is not None:
         check_constraints_type(o.constraints)
     if not isinstance(o.device, str):

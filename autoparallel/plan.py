@@ -25,6 +25,12 @@ OUTPUTS = ("sharded", "replicated")
 the placement of the value's producer with every pending sum reduced (:func:`returned_spec`),
 ``"replicated"`` whole on every device."""
 
+INPUTS = ("global", "local")
+"""What each rank passes the module (the ``inputs=`` planning option): ``"global"`` the whole
+batch, the same on every rank (every tensor input replicated, each op reading its part);
+``"local"`` its own batch, as under DDP with a ``DistributedSampler`` (every tensor input split
+along dim 0 over every mesh axis, rank ``r`` holding the ``r``-th rows of the global batch)."""
+
 
 def returned_spec(src: Spec, outputs: str, whole: bool = False) -> Spec:
     """The placements a graph output produced in ``src`` is returned in: replicated when
@@ -304,6 +310,8 @@ class Plan:
         mp_policy: the mixed-precision policy the graph was captured and priced under
             (:mod:`autoparallel.precision`), ``None`` for none (also in plans saved without it).
         inspection: what the summary, explain and plot read (:class:`~autoparallel.results.Inspection`).
+        inputs: what each rank passes, one of :data:`INPUTS`; plans saved without the field
+            are ``"global"``, as they were made.
     """
 
     mesh: MeshSpec
@@ -316,6 +324,7 @@ class Plan:
     outputs: str = "replicated"
     mp_policy: MixedPrecisionPolicy | None = None
     inspection: Inspection = field(default_factory=Inspection)
+    inputs: str = "global"
 
     @property
     def collectives(self) -> list[dict]:
@@ -358,7 +367,8 @@ class Plan:
                 f"peak memory {(est.peak_memory_bytes or 0) / 2**20:.1f} MiB per device; "
                 f"{len(self.collectives)} forward collectives"
                 + (f"; priced by {est.costs}" if est.costs else "")
-                + (f"; {precision.describe(self.mp_policy)}" if self.mp_policy is not None else ""))
+                + (f"; {precision.describe(self.mp_policy)}" if self.mp_policy is not None else "")
+                + ("; inputs: each rank its own batch" if self.inputs == "local" else ""))
         out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
         if self.checkpoint:
             regions = [[r.stages, r.modules, r.nodes, f"{r.saved_bytes / 2**20:.1f}", f"{r.recompute_s:.3g}"]
@@ -408,6 +418,7 @@ class Plan:
             "outputs": self.outputs,
             "mp_policy": precision.policy_to_json(self.mp_policy),
             "inspection": self.inspection.to_json(),
+            "inputs": self.inputs,
         })
 
     @classmethod
@@ -426,13 +437,15 @@ class Plan:
             raise ValueError(f"a plan must be JSON text: {e}") from None
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
-        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy", "inspection"))
+        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
             raise ValueError(f"plan: mp_policy: {e}") from None
         outputs = d.get("outputs", "replicated")  # plans saved before the field returned everything whole
         _check(outputs in OUTPUTS, "plan", "outputs", " or ".join(map(repr, OUTPUTS)), outputs)
+        inputs = d.get("inputs", "global")  # plans saved before the field took the global batch
+        _check(isinstance(inputs, str) and inputs in INPUTS, "plan", "inputs", " or ".join(map(repr, INPUTS)), inputs)
         _check(isinstance(d["mesh"], dict), "plan", "mesh", "an object", d["mesh"])
         _fields(d["mesh"], ("shape", "axis_names", "alpha", "beta"), "mesh")
         try:
@@ -469,7 +482,7 @@ class Plan:
             recompute = checkpoint.recompute_s if checkpoint else 0.0
             estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
         return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
-                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection))
+                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -481,7 +494,7 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy", "inspection")
+                "outputs", "mp_policy", "inspection", "inputs")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

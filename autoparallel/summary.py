@@ -22,6 +22,7 @@ Placements print in the named notation of :func:`autoparallel.placement.format_s
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Sequence
@@ -184,13 +185,24 @@ def _inputs(plan: "Plan") -> str:
                     if m.kind == "slice" and m.dst_dim is not None:
                         splits[m.dst_dim].add(m.axis)
         shape = list(n.out_shapes[0])
+        if plan.inputs == "local":
+            moved = sorted({m.kind.replace("_", "-") for c in plan.redistributions if c.src == n.name for m in c.moves})
+            rows = shape[0] // math.prod(plan.mesh.shape)
+            lines.append(f"  {n.name} {shape}: {rows} rows from each rank"
+                         + (f"; redistributed where ops need it otherwise ({', '.join(moved)})" if moved else ""))
+            continue
         if not splits:
             lines.append(f"  {n.name} {shape}: read whole on every device")
             continue
         dims = "; ".join(f"dim {d} ({_dim_name(d, len(shape))}) split over {_axes(plan, axes)}"
                          for d, axes in sorted(splits.items()))
         lines.append(f"  {n.name} {shape}: {dims}")
-    return "inputs (the global batch on every device, each op reads its part):\n" + "\n".join(lines) if lines else ""
+    if plan.inputs == "local":
+        head = ("inputs (each rank passes its own batch: the global batch's dim 0 split over every mesh axis, "
+                "in rank order; ops that need more gather it):\n")
+    else:
+        head = "inputs (the global batch on every device, each op reads its part):\n"
+    return head + "\n".join(lines) if lines else ""
 
 
 def _dim_name(d: int, ndim: int) -> str:

@@ -24,6 +24,9 @@ What is checked (every field the emitted module depends on):
   output index and shape, and its moves, each legal where it is applied (as
   :mod:`autoparallel.solver.layout` defines them), turn the producer's spec into the
   consumer's; no edge into an in-place op or its view chain is resharded;
+* inputs: under ``inputs="local"`` every tensor input is split as
+  :func:`~autoparallel.strategies.generator.split_inputs` splits it (each rank's own batch);
+  under ``"global"`` replicated;
 * checkpoint: the node stages are those the graph's chain gives (:meth:`Plan.from_json`
   checks that the regions form a tree over those stages; which stages a region covers
   changes what is recomputed, not what is computed).
@@ -49,6 +52,7 @@ from .graph import output_leaves, tensor_inputs
 from .solver.planner import aliased_edges, op_name, written_back_outputs
 from .solver.remat import chain_stages
 from .strategies import StrategyGenerator
+from .strategies.generator import split_inputs
 from .tracer.annotate import node_info
 
 _HINT = ("the plan was made for another model, other input shapes or another mesh, or was edited; make one "
@@ -95,6 +99,11 @@ def validate_plan(plan: Plan, traced, *, mesh_shape: Sequence[int] | None = None
     gm = traced.gm
     gen = StrategyGenerator(ms)
     strategies = gen.generate(gm)
+    if plan.inputs == "local":  # each rank's own batch: every tensor input split as the planner splits it
+        try:
+            split_inputs(strategies, ms)
+        except ValueError as e:
+            raise PlanMismatchError(f"the plan takes local inputs (inputs='local'), but {e}") from None
     expected = [n for n in gm.graph.nodes if n in strategies or n in gen.aliases]
     names = {n.name for n in expected}
     for n in expected:

@@ -2,9 +2,11 @@
 
 A :class:`~autoparallel.codegen.ParallelModule` takes the global batch on every rank and
 slices it itself; a rank handed its own shard (as DDP users do) would silently train on a
-mix of batches. On the first call and every ``every``-th call after it, each rank
-fingerprints its inputs and the fingerprints are compared with one all-reduce (max of the
-fingerprint and of its negation) over the world: 2·k float64 values for k inputs.
+mix of batches (unless the plan is for local inputs, ``inputs="local"``, where each rank
+passes its own batch by design and nothing is compared). On the first call and every
+``every``-th call after it, each rank fingerprints its inputs and the fingerprints are
+compared with one all-reduce (max of the fingerprint and of its negation) over the world:
+2·k float64 values for k inputs.
 """
 
 from __future__ import annotations
@@ -47,9 +49,7 @@ class BatchCheck:
     """
 
     def __init__(self, device_mesh, every: int = 100):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise ValueError(f"check_batch_every must be an int >= 0 (0: never), not {every!r}")
-        self.every = every
+        self.every = checked_every(every)
         self.device = device_mesh.device_type
         self.calls = 0
 
@@ -71,6 +71,17 @@ class BatchCheck:
         hi, neg_lo = both.cpu().chunk(2)
         if not torch.equal(hi, -neg_lo):
             raise InputMismatchError(_message(call, int((hi != -neg_lo).nonzero()[0]) // 2))
+
+
+def checked_every(every) -> int:
+    """``every`` (``check_batch_every``) when it is an int >= 0.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"check_batch_every must be an int >= 0 (0: never), not {every!r}")
+    return every
 
 
 def _message(call: int, index: int) -> str:

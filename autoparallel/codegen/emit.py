@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.tensor import DTensor
 
-from ..errors import AutoParallelError
+from ..errors import AutoParallelError, MeshMismatchError
 from ..mesh import MeshSpec
 from ..options import PlanOptions
 from ..passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
@@ -22,6 +22,8 @@ from ..placement import replicated
 from ..plan import Plan
 from ..solver.pipeline import plan_on_rank0
 from ..tracer import capture
+from ..tracer.batch import global_batch, local_input_meta
+from .batch_check import checked_every
 from .code import readable
 from .module import ParallelModule, Variant, module_state, parallelize_in_place
 
@@ -33,9 +35,21 @@ def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: i
     """Make ``model`` parallel in place by ``plan`` for ``traced`` (its capture): its
     parameters in the plan's placements, its forward the per-device graph
     (:class:`ParallelModule`); also runs hand-picked plans. Gradients are reduced in
-    buckets of at most ``bucket_cap_bytes`` bytes. Returns ``model``."""
+    buckets of at most ``bucket_cap_bytes`` bytes. Returns ``model``. Under a plan for local
+    inputs (``plan.inputs == "local"``) the ranks' batches differ by design: they are not
+    compared (``check_batch_every`` is checked, then unused).
+
+    Raises:
+        MeshMismatchError: a plan for local inputs on a mesh whose devices, numbered as its
+            collectives join pieces, are not in rank order (:func:`check_rank_order`).
+        ValueError: ``check_batch_every`` not an int >= 0.
+    """
+    every = checked_every(check_batch_every)
+    if plan.inputs == "local":
+        check_rank_order(device_mesh)
+        every = 0
     pmodel = parallelize_in_place(model, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
-                                  check_batch_every=check_batch_every, bucket_cap_bytes=bucket_cap_bytes)
+                                  check_batch_every=every, bucket_cap_bytes=bucket_cap_bytes)
     add_variant(pmodel, traced, plan, device_mesh)
     return pmodel
 
@@ -44,8 +58,38 @@ def add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh) -> Vari
     """Lower ``plan`` for ``traced`` and register the graph on ``pmodel`` (reading its
     parameters and the capture's constants)."""
     gm = readable(lower(traced, plan, device_mesh, pmodel.graph_root(traced.constants), pmodel._ap.bucket_cap_bytes))
+    # the module checks each call against what a rank passes: its own batch under local inputs
+    meta = local_input_meta(traced.input_meta, device_mesh.size()) if plan.inputs == "local" else traced.input_meta
     return pmodel.add_variant(gm, plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
-                              input_meta=traced.input_meta, buffer_mutations=traced.buffer_mutations)
+                              input_meta=meta, buffer_mutations=traced.buffer_mutations)
+
+
+def check_rank_order(device_mesh) -> None:
+    """Under local inputs each device's own batch is the piece of the global batch its mesh
+    coordinate selects (dim 0 split along every axis, axis 0 outermost), the coordinate along
+    an axis being the device's rank in that axis' process group (ascending ranks:
+    :func:`~autoparallel.codegen.module._mesh_coord`). The global batch is the ranks' batches
+    in rank order only when that piece index is the rank itself, as on any mesh
+    ``torch.arange(world).reshape(shape)`` (or a 1-D mesh in any order).
+
+    Raises:
+        MeshMismatchError: naming a rank whose piece is another rank's, so that the module never
+            trains on a permuted batch (a mean loss would not notice; per-sample outputs would).
+    """
+    with maybe_disable_local_tensor_mode():
+        mesh = device_mesh.mesh.cpu()
+        piece = torch.zeros_like(mesh)
+        for a, n in enumerate(mesh.shape):
+            in_group = mesh.argsort(dim=a).argsort(dim=a)  # each device's rank among its line along axis a
+            piece = piece * n + in_group
+        bad = (piece != mesh).nonzero()
+        if len(bad):
+            pos = tuple(bad[0].tolist())
+            raise MeshMismatchError(
+                f"inputs='local' on DeviceMesh {mesh.tolist()}: rank {int(mesh[pos])} would hold rows of piece "
+                f"{int(piece[pos])} of the global batch, so the global batch would not be the ranks' batches "
+                "in rank order; build the mesh as torch.arange(world).reshape(shape) (init_device_mesh does), "
+                "or pass the global batch on every rank (inputs='global')")
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
@@ -110,6 +154,8 @@ class Recapture:
             meta = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(tuple(t.shape), dtype=t.dtype,
                                                                             device="meta"),
                                         dict(kwargs) if self.keywords else tuple(args))
+            if self.options.inputs == "local":  # one rank's batch: the plan is for the global one
+                meta = global_batch(meta, self.device_mesh.size())
             self.skeleton.train(pmodel.training)
             _copy_attributes(pmodel, self.skeleton)
             traced = capture(self.skeleton, meta, stamp_layers=self.options.stamp_layers,

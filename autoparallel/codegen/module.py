@@ -115,7 +115,8 @@ class Variant:
         graph_module: the per-device ``fx.GraphModule``, reading the module's parameters.
         plan: its :class:`~autoparallel.Plan`.
         in_spec / out_spec: pytree specs of ``(args, kwargs)`` and of the output.
-        input_meta: per flattened input, global ``(shape, dtype)`` or ``(None, value)``.
+        input_meta: per flattened input, ``(shape, dtype)`` as the caller passes it (global;
+            one rank's under ``plan.inputs == "local"``) or ``(None, value)``.
         buffer_mutations: flat output index → buffer the forward updates (written back).
         training: the module mode the graph was captured in (dropout, BatchNorm).
         returned: per flat output, ``(placements, global shape)`` of a value the graph returns
@@ -237,11 +238,13 @@ class ParallelModule(NotPicklable, nn.Module):
     ``model.parameters()`` after the call, ``clip_grad_norm_`` and ``state_dict()`` work
     unchanged; an optimizer built before the call holds the replaced parameters and raises
     AutoParallelError at its ``step()``. ``load_state_dict`` also takes full tensors (a
-    single-device checkpoint) and shards them (rank 0's values). Outputs come in the
-    model's output structure: whole tensors where the plan returns them replicated (a loss),
-    DTensors where it returns them sharded (``.full_tensor()`` gives the whole value). The
-    gradient reaching an input that requires grad is the single-device one. Buffers the
-    forward updates (BatchNorm's statistics) are written back after every forward.
+    single-device checkpoint) and shards them (rank 0's values). Inputs are the global batch,
+    the same on every rank (checked, see ``check_batch_every``), or under a plan for local
+    inputs each rank's own batch (not compared). Outputs come in the model's output
+    structure: whole tensors where the plan returns them replicated (a loss), DTensors where
+    it returns them sharded (``.full_tensor()`` gives the whole value). The gradient reaching
+    an input that requires grad is the single-device one. Buffers the forward updates
+    (BatchNorm's statistics) are written back after every forward.
 
     Calls: one per-device graph per mode (``train()``/``eval()``), input structure and
     signature (shapes, dtypes, non-tensor values) and the plain attributes of the submodules

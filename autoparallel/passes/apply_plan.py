@@ -1,8 +1,11 @@
 """Apply a Plan to the traced graph: the per-device graph with collectives.
 
 The result computes on local shards. Its inputs are ``mesh_coord`` (this device's
-coordinate on each mesh axis, an int64 tensor) and the flattened user inputs at global
-shape. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
+coordinate on each mesh axis, an int64 tensor) and the flattened user inputs: at global
+shape, placed replicated, under ``plan.inputs == "global"``; under ``"local"`` each is this
+rank's own batch, the local shard of the global batch in the placeholder's planned placement
+(dim 0 split along every mesh axis), taken as it is: a consumer that needs it otherwise gets
+the redistribution the plan prices (an all-gather, an all-to-all), like any other value. Parameters and buffers are read with ``get_attr`` (DTensors) and turned into local
 shards by :func:`~autoparallel.runtime_kernels.param_local`; gradients of parameters
 replicated along mesh axes are all-reduced in buckets during the backward
 (:func:`~autoparallel.runtime_kernels.reduce_grads_in_bucket`). Every redistribution of the plan

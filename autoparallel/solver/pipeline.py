@@ -26,6 +26,7 @@ from ..options import PlanOptions
 from ..placement import R, Shard, Spec, spec_str, spec_to_json
 from ..plan import Plan
 from ..strategies import StrategyGenerator
+from ..strategies.generator import split_inputs
 from ..tracer.annotate import node_info
 from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
@@ -85,6 +86,7 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
     st.cache = "miss" if folder is not None else "off"
     plan.inspection.fallback_ops = sorted(gen.fallbacks)
     plan.mp_policy = options.mp_policy
+    plan.inputs = options.inputs
     if user_pins:
         plan.inspection.placement_constraints = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
     if baselines:
@@ -121,8 +123,16 @@ def _cached(folder, key: str, traced, mesh: MeshSpec, pinned) -> Plan | None:
 
 def _narrow(strategies, traced, options: PlanOptions, mesh: MeshSpec, pinned, user_pins, aliases) -> dict:
     """Narrow ``strategies`` in place by the options, pins and constraints; returns a copy of
-    them before ``parallelism``, pins and constraints (what the recipes narrow)."""
+    them before ``parallelism``, pins and constraints (what the recipes narrow). Under
+    ``inputs="local"`` every tensor input arrives split, each rank holding its own batch
+    (:func:`~autoparallel.strategies.generator.split_inputs`): the recipes see it so too.
+
+    Raises:
+        ValueError: under ``inputs="local"``, a 0-d tensor input or one the mesh cannot split.
+    """
     repl = (R,) * mesh.ndim
+    if options.inputs == "local":
+        split_inputs(strategies, mesh.shape)
     # buffers written back whole after each forward (in the other mode too, with replicate_buffers)
     written = set(traced.buffers) if options.replicate_buffers else set(traced.buffer_mutations.values())
     for node in strategies:

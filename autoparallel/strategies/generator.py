@@ -5,6 +5,7 @@ pointwise, else replicate fallback."""
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections import defaultdict
 from typing import Sequence
@@ -13,7 +14,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingRuleError
-from ..placement import P, R, uneven_dims
+from ..placement import P, R, Shard, Spec, spec_problem, uneven_dims
 from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy, enumerate_strategies
 from ..graph import tensor_inputs
@@ -121,11 +122,52 @@ def _param_spec_ok(shape, spec, mesh_shape) -> bool:
     return not uneven or (set(uneven) == {0} and all(p != R for n, p in zip(mesh_shape, spec) if n > 1))
 
 
+def local_input_spec(mesh_shape: Sequence[int]) -> Spec:
+    """The placements of every tensor input under ``inputs="local"``: dim 0 split along every
+    mesh axis, axis 0 outermost (DTensor's order), so that the device whose coordinate is
+    ``(c_0, ..., c_k)`` holds the rows of piece ``c_0 · n_1···n_k + ... + c_k``: on a mesh whose
+    ranks are numbered that way (``torch.arange(world).reshape(shape)``), rank ``r``'s own batch
+    is the ``r``-th piece of the global batch. An axis of one device holds the same rows either
+    way and says ``Replicate`` (the layout moves take no split along it)."""
+    return tuple(Shard(0) if n > 1 else R for n in mesh_shape)
+
+
+def split_inputs(strategies: dict, mesh_shape: Sequence[int]) -> None:
+    """``inputs="local"``: every tensor placeholder (a rank's own batch) keeps the one strategy
+    :func:`local_input_spec` gives, in place of the replicated one; its consumers take it as
+    they need it (a gather, an all-to-all) at the price the ILP sees.
+
+    Raises:
+        ValueError: a 0-d tensor input (no batch dim to concatenate the ranks' batches along),
+            or one whose dim 0 the mesh does not split evenly (not ``local rows × world``).
+    """
+    spec = local_input_spec(mesh_shape)
+    for node, ss in strategies.items():
+        if node.op != "placeholder" or not ss or not ss[0].outputs:
+            continue
+        shape = tuple(node_info(node).outputs[0][0])
+        if not shape:
+            raise ValueError(f"input {node.name} is a 0-d tensor: under inputs='local' every tensor input is a "
+                             "rank's own batch, concatenated with the other ranks' along dim 0; pass it as a "
+                             "tensor with a batch dim, or use inputs='global'")
+        problem = spec_problem(spec, shape, mesh_shape)
+        if problem or shape[0] % _world(mesh_shape):
+            raise ValueError(f"input {node.name} {list(shape)}: under inputs='local' its dim 0 is the ranks' "
+                             f"batches concatenated, a multiple of the {_world(mesh_shape)} devices"
+                             + (f" ({problem})" if problem else ""))
+        strategies[node] = [Strategy((), (spec,))]
+
+
+def _world(mesh_shape) -> int:
+    return math.prod(mesh_shape)
+
+
 class StrategyGenerator:
     """Lists the strategies of every node of a traced graph on a mesh.
 
     Placeholders (the global batch) are replicated: consumers that want them split take
-    a local slice, which costs nothing. Parameters and buffers may be split over any of
+    a local slice, which costs nothing (under ``inputs="local"`` the planner makes them split
+    instead: :func:`split_inputs`). Parameters and buffers may be split over any of
     their dims, and unevenly as :func:`_param_spec_ok` allows. An op that returns no tensor
     (``x.item()``: a Python number) reads its tensor inputs replicated, so that every device
     computes the global value. ``getitem``
