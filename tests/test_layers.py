@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoparallel"
 # each group may import its own modules and those of earlier groups, never later ones
 LAYERS = [
     ("base", {"_torchvision_compat", "errors", "fqn", "graph", "placement", "mesh", "precision", "progress",
-              "pickling", "runtime_kernels", "constraints"}),
-    ("the plan and its views", {"plan", "summary", "explain", "plot"}),
+              "pickling", "runtime_kernels", "constraints", "jsonfields"}),
+    ("the plan and its views", {"plan", "results", "summary", "explain", "plot"}),
     ("capture", {"tracer"}),
     ("strategies", {"strategies"}),
     ("rewrites", {"rewrites"}),
