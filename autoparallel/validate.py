@@ -49,7 +49,8 @@ from .errors import PlanMismatchError
 from .placement import P, R, Spec, is_valid, local_shape, shard, shard_axes, spec_problem, spec_str, uneven_dims
 from .plan import Move, Plan, returned_spec
 from .graph import output_leaves, tensor_inputs
-from .solver.planner import aliased_edges, op_name, written_back_outputs
+from .solver.decode import op_name
+from .solver.pricing import aliased_edges, written_back_outputs
 from .solver.remat import chain_stages
 from .strategies import StrategyGenerator
 from .strategies.generator import split_inputs

@@ -141,7 +141,7 @@ def test_roles_through_mixed_precision_casts():
 def test_recipes_keep_repeated_layers_shared():
     """A recipe pins the embedding, so the first layer's ops group differently from the
     later ones (its input has one strategy): only the first layer of each template may leave
-    the shared variables (Planner._shared), not every later layer."""
+    the shared variables (solver.problem._shared), not every later layer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     with torch.device("meta"):

@@ -288,7 +288,7 @@ def _captured(fn, specs):
 def _match_in_place(choice, node, strategies, planner) -> bool:
     """Edges an in-place op writes through admit no redistribution (the planner pins them):
     give the other end of each such edge at ``node`` a strategy that matches ``node``'s."""
-    for c, j in planner._pinned:
+    for c, j in planner.pricing.pinned:
         x = tensor_inputs(c)[j][1]
         if c is node and x in strategies:
             match = next((t for t in strategies[x] if t.outputs[0] == choice[c].inputs[j]), None)
@@ -356,7 +356,7 @@ def _check_all_strategies(name, mesh_shape, sim_mesh, seen_targets, samples=SAMP
             return f"{what}: {type(e).__name__}: {e}"
         return None
 
-    pinned = {n for c, j in planner._pinned for n in (c, tensor_inputs(c)[j][1])}
+    pinned = {n for c, j in planner.pricing.pinned for n in (c, tensor_inputs(c)[j][1])}
     together = [n for n in ops if n not in pinned]
     checked = 0
     for i in range(max((len(strategies[n]) for n in together), default=0)):

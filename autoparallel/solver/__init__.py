@@ -1,5 +1,6 @@
 """Cost model, redistribution and the sharding ILP. The planner that ties them to a
-graph is :mod:`autoparallel.solver.planner`."""
+graph is :mod:`autoparallel.solver.planner`: pricing (:mod:`.pricing`), the ILP
+(:mod:`.problem`), the memory search (:mod:`.memory_search`) and decoding (:mod:`.decode`)."""
 
 from .costs import PRESETS, CostModel, DevicePreset
 from .ilp import ILPEdge, ILPProblem, ILPSolution, solve

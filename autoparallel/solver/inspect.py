@@ -19,7 +19,7 @@ KEEP = 3
 """Alternatives stored per node, cheapest first."""
 
 
-def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
+def alternatives(pricing, strategies: dict, template: dict, choice: dict, edges: list) -> dict[str, dict]:
     """Per node with more than one strategy: its chosen strategy and its :data:`KEEP`
     cheapest alternatives (module docstring), each ``{"specs": [input specs, output
     specs] (JSON, as ``Plan.to_json``), "compute_s",
@@ -29,9 +29,11 @@ def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
     its alternatives are the template's, priced with the template's neighbours.
 
     Args:
-        planner: the :class:`~autoparallel.solver.planner.Planner` that solved.
+        pricing: the :class:`~autoparallel.solver.pricing.Pricing` of the graph.
+        strategies: node → its strategies; template: node → the node whose ILP variables it
+            shares (:attr:`~autoparallel.solver.planner.Planner.template`).
         choice: node → chosen strategy.
-        edges: the planner's edges ``(consumer or None, input position, (producer, output
+        edges: the graph's edges ``(consumer or None, input position, (producer, output
             index), requires_grad)``.
     """
     into: dict = {}
@@ -42,16 +44,16 @@ def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
             into.setdefault(consumer, []).append(e)
         out_of.setdefault(u, []).append(e)
     result = {}
-    for node, strategies in planner.strategies.items():
-        if len(strategies) < 2 or node not in choice:
+    for node, options in strategies.items():
+        if len(options) < 2 or node not in choice:
             continue
-        template = planner.template.get(node, node)
-        if template is not node:  # a repeated layer's copy: priced once, on its template
-            result[node.name] = {"same_as": template.name}
+        shared = template.get(node, node)
+        if shared is not node:  # a repeated layer's copy: priced once, on its template
+            result[node.name] = {"same_as": shared.name}
             continue
         priced = []
-        for s in strategies:
-            row = _price(planner, node, s, choice, into.get(node, ()), out_of.get(node, ()))
+        for s in options:
+            row = _price(pricing, node, s, choice, into.get(node, ()), out_of.get(node, ()))
             if row is not None:
                 priced.append((row["cost_s"], s is not choice[node], row))
         chosen = next((r for _, other, r in priced if not other), None)
@@ -62,19 +64,19 @@ def alternatives(planner, choice: dict, edges: list) -> dict[str, dict]:
     return result
 
 
-def _price(planner, node, s, choice, ins, outs) -> dict | None:
+def _price(pricing, node, s, choice, ins, outs) -> dict | None:
     """The cost row of ``node`` under strategy ``s``, neighbours at ``choice``; ``None``
     when ``s`` needs an impossible redistribution."""
-    compute, own, mem = planner.node_cost(node, s)
+    compute, own, mem = pricing.node_cost(node, s)
     comm = own
     for consumer, j, (u, idx), rg in ins:
         key = (consumer, j, u, idx)
-        comm += planner._edge_cost(key, (u, idx), rg, choice[u].outputs[idx], s.inputs[j])
+        comm += pricing.edge_cost(key, (u, idx), rg, choice[u].outputs[idx], s.inputs[j])
     for consumer, j, (u, idx), rg in outs:
         key = (consumer, j, u, idx)
         src = s.outputs[idx]
-        dst = planner.returned_spec(j, src) if consumer is None else choice[consumer].inputs[j]
-        comm += planner._edge_cost(key, (u, idx), rg, src, dst)
+        dst = pricing.returned_spec(j, src) if consumer is None else choice[consumer].inputs[j]
+        comm += pricing.edge_cost(key, (u, idx), rg, src, dst)
     if math.isinf(comm):
         return None
     specs = [[spec_to_json(x) for x in s.inputs], [spec_to_json(x) for x in s.outputs]]

@@ -30,7 +30,8 @@ from ..strategies.generator import split_inputs
 from ..tracer.annotate import node_info
 from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
-from .planner import Planner, written_back_outputs
+from .planner import Planner
+from .pricing import written_back_outputs
 
 log = logging.getLogger("autoparallel")
 

@@ -11,7 +11,7 @@ floating outputs are cast to ``output_dtype`` when the policy sets one.
 
 Where the cast runs relative to a parameter's all-gather is the plan's choice of the cast
 node's placement; the cast follows its parameter (it has one strategy per placement of
-its input, :meth:`~autoparallel.solver.planner.Planner._follow`), so it runs on the local
+its input, :func:`~autoparallel.solver.problem._follow`), so it runs on the local
 shard and the all-gather moves ``param_dtype`` bytes (docs/design.md, "Mixed precision").
 """
 

@@ -1,0 +1,202 @@
+"""The search for the fastest plan under a memory budget (bytes per device).
+
+Stage 1 solves the sharding ILP, and while the plan's modelled peak is over the budget prices
+the memory at the steps where plans peak into the objective (Lagrangian relaxation: Fisher,
+Management Science 1981). Stage 2, when no sharding alone fits, hands stage-1 plans of
+decreasing memory allowance to Rotor's recomputation schedule (:mod:`autoparallel.solver.rotor`,
+:mod:`autoparallel.solver.remat`). A budget nothing meets raises
+:class:`~autoparallel.errors.InfeasiblePlanError` with the smallest peak reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch.fx as fx
+
+from ..errors import InfeasiblePlanError
+from ..plan import Plan
+from ..strategies import Strategy
+from .decode import choice_of
+from .ilp import ILPSolution, solve
+from .memory import MemoryModel
+from .problem import GroupedProblem
+from .remat import build_chain, checkpoint_plan
+from .rotor import InfeasibleBudget, solve as rotor_solve
+
+log = logging.getLogger(__name__)
+
+
+class MemorySearch:
+    """Plans of one problem under memory budgets.
+
+    Args:
+        built: the sharding ILP (:func:`~autoparallel.solver.problem.build_problem`).
+        memory: the step's :class:`~autoparallel.solver.memory.MemoryModel`, or ``None``
+            (then every budget is met by the fastest plan).
+        solver: the ILP solver's name; time_limit: seconds per solve; max_rounds: solves of
+            stage 1 at most.
+    """
+
+    def __init__(self, built: GroupedProblem, memory: MemoryModel | None, *, solver: str, time_limit: float,
+                 max_rounds: int):
+        self.built, self.memory = built, memory
+        self.solver, self.time_limit, self.max_rounds = solver, time_limit, max_rounds
+
+    def stage1(self, budget: int | None):
+        """``(choice, solution, solves)`` of the fastest plan found within ``budget`` bytes, or
+        ``None`` when none is found.
+
+        The fastest plan first; when its modelled peak is over ``budget``, Lagrangian
+        relaxation of the memory rows (Fisher, "The Lagrangian relaxation method for solving
+        integer programming problems", Management Science 1981, §2): the bytes held at the steps
+        where plans peaked are priced at ``lam`` seconds per byte in the objective, first at
+        the step time of the fastest plan per byte it is over budget, then ×4 until a plan
+        fits, then bisected (geometric mean; halved while none is known not to fit) until the
+        largest price that does not fit is within 1.2× of the smallest that does, or after
+        ``max_rounds`` solves; the fastest fitting plan (by its unpenalized seconds) wins, and
+        one as fast as the fastest plan ends the search. Each solve keeps the
+        unconstrained problem's shape (the penalty is a cost per group strategy), whose LP
+        relaxation solves integral in about a second at Llama-3-8B scale; hard memory rows
+        made CBC branch until its time limit (60 s per row added). A Lagrangian plan may be
+        slower than the optimum within the budget by the duality gap.
+        """
+        problem = self.built.ilp
+        sol = solve(problem, solver=self.solver, time_limit=self.time_limit)
+        choice = choice_of(self.built, sol)
+        if budget is None or self.memory is None:
+            return choice, sol, 1
+        est = self.memory.estimate(choice)
+        if est.peak_bytes <= budget:
+            return choice, sol, 1
+        rows = {est.peak_step: self.memory_row(est.peak_step)}
+        problem.memory_rows = list(rows.values())  # for the min-peak solve and solver_stats
+        # first price: giving up the whole step time saves the excess over the budget
+        lo, hi, lam, best = 0.0, None, max(sol.objective, 1e-9) / (est.peak_bytes - budget), None
+        last, fastest = sol.choice, sol.objective
+        for rounds in range(2, self.max_rounds + 1):
+            sol = self._penalized(rows, lam)
+            choice = choice_of(self.built, sol)
+            est = self.memory.estimate(choice)
+            log.info("memory budget: solve %d at %.3g s/GiB: peak %.4g GiB, step %.4g s (%.2f s)", rounds,
+                     lam * 2**30, est.peak_bytes / 2**30, sol.objective, sol.stats["build_s"] + sol.stats["solve_s"])
+            if est.peak_bytes <= budget:
+                hi = lam
+                if best is None or sol.objective < best[1].objective:
+                    best = (choice, sol, rounds)
+                if sol.objective <= fastest * (1 + 1e-9):
+                    break  # as fast as the fastest plan: the optimum
+            new_row = est.peak_bytes > budget and est.peak_step not in rows
+            if est.peak_bytes > budget:
+                lo = lam
+                if new_row:
+                    rows[est.peak_step] = self.memory_row(est.peak_step)
+                    problem.memory_rows = list(rows.values())
+            if hi is None and sol.choice == last and not new_row:
+                break  # a higher price no longer changes the plan: none fits
+            last = sol.choice
+            if hi is None:
+                lam *= 4
+            elif hi <= 1.2 * lo:
+                break
+            else:
+                lam = math.sqrt(lo * hi) if lo else hi / 2
+        return best
+
+    def _penalized(self, rows: dict[int, list[list[float]]], lam: float) -> ILPSolution:
+        """The solution of the problem with the bytes of ``rows`` priced at ``lam`` seconds per
+        byte, its objective (seconds) without that penalty."""
+        problem = self.built.ilp
+        base = problem.node_costs
+        problem.node_costs = [[c + lam * sum(r[g][k] for r in rows.values() if r[g]) for k, c in enumerate(cs)]
+                              for g, cs in enumerate(base)]
+        try:
+            sol = solve(problem, solver=self.solver, time_limit=self.time_limit)
+        finally:
+            problem.node_costs = base
+        penalty = lam * sum(r[g][k] for r in rows.values() for g, k in enumerate(sol.choice) if r[g])
+        sol.objective -= penalty
+        sol.stats["objective_s"] -= penalty
+        return sol
+
+    def two_stage(self, stages, budget: int, plan_of: Callable[[dict], Plan],
+                  forward_s: Callable[[fx.Node, Strategy], float]):
+        """Stage 2: Rotor on stage-1 plans of decreasing allowance (the fastest plan, then
+        allowances of 3/4, 1/2 and 1/4 of the way from its peak down to ``budget`` and of 7/8,
+        3/4, ..., 1/4 of its peak, those not below ``budget``); the first whose recomputation
+        schedule fits wins. The smallest reachable peak an infeasible budget reports is over the
+        latter, which do not depend on ``budget``: planning again at that peak meets the plan
+        that reached it (its allowance is at least that peak).
+
+        Args:
+            stages: the chain's stages (:func:`~autoparallel.solver.remat.chain_stages`).
+            plan_of: the Plan of a choice (:func:`~autoparallel.solver.decode.make_plan`).
+            forward_s: seconds of a node's forward under a strategy.
+
+        Returns:
+            ``((choice, solution, rounds), plan, (plan.checkpoint, modelled peak bytes))``.
+        """
+        self.built.ilp.memory_rows.clear()
+        free = self.stage1(None)
+        top = self.memory.estimate(free[0]).peak_bytes
+        reachable = []
+        fixed_fractions = {int(f * top) for f in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25) if f * top >= budget}
+        toward_budget = {int(budget + f * (top - budget)) for f in (0.75, 0.5, 0.25)}
+        for allowance in [None] + sorted(fixed_fractions | toward_budget, reverse=True):
+            found = free if allowance is None else self.stage1(allowance)
+            if found is None:
+                break
+            choice = found[0]
+            plan = plan_of(choice)
+            fwd = {n.name: forward_s(n, choice[n]) for n in stages if n in choice}
+            chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
+            try:
+                schedule = rotor_solve(chain, budget - fixed)
+            except InfeasibleBudget as e:
+                try:  # the smallest peak exactly may not fit once the DP rounds sizes up to slots
+                    rotor_solve(chain, e.min_budget)
+                    need = e.min_budget
+                except InfeasibleBudget as rounded:
+                    need = rounded.min_budget
+                if allowance is None or allowance in fixed_fractions:
+                    reachable.append((fixed + need, choice))
+                continue
+            log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.4g GiB",
+                     len(schedule.regions), schedule.recompute_time, (allowance or top) / 2**30)
+            return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
+        best, choice = min(reachable, key=lambda r: r[0]) if reachable else (top, free[0])
+        best = int(math.ceil(best))
+        raise InfeasiblePlanError(
+            f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
+            f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes); without "
+            f"recomputation {self.memory.dominant(choice)}. Raise the budget, use more devices or a smaller batch")
+
+    def memory_row(self, t: int) -> list[list[float]]:
+        """Bytes held at step ``t``, per ILP group and group strategy (linear:
+        :meth:`~autoparallel.solver.memory.MemoryModel.row`)."""
+        built = self.built
+        row: list[list[float]] = [[] for _ in range(len(built.ilp.node_costs))]
+        for owner, size in self.memory.row(t):
+            g = built.group_of(owner)
+            if not row[g]:
+                row[g] = [0.0] * len(built.fmap[owner])
+            for k, si in enumerate(built.fmap[owner]):
+                row[g][k] += size(built.strategies[owner][si])
+        return row
+
+    def budget_message(self, budget: int) -> str:
+        """Why ``budget`` bytes cannot be met, with the smallest reachable peak (a min-peak solve)."""
+        problem = self.built.ilp
+        problem.minimize_memory = True
+        try:
+            sol = solve(problem, solver=self.solver, time_limit=min(self.time_limit, 10.0))
+            choice = choice_of(self.built, sol)
+            best = self.memory.estimate(choice).peak_bytes
+        finally:
+            problem.minimize_memory = False
+        return (f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device: the smallest peak the planner "
+                f"reaches on this mesh is about {best / 2**30:.3g} GiB ({best} bytes); {self.memory.dominant(choice)}. "
+                "Raise the budget, use more devices or a smaller batch")
+
