@@ -481,7 +481,33 @@ def parallelize_in_place(model: nn.Module, plan: Plan, device_mesh, *, param_nam
     model.__dict__["_autoparallel"] = _State(device_mesh, coord, BatchCheck(device_mesh, check_batch_every),
                                              bucket_cap_bytes, plan.holds_dtensors)
     model._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
+    if plan.holds_dtensors and _permuted(device_mesh, coord):
+        model.register_state_dict_pre_hook(_refuse_permuted)
     return model
+
+
+def _permuted(device_mesh, coord: torch.Tensor) -> bool:
+    """Whether this device's coordinate (its rank in each axis' process group, where its
+    shards are) differs from the one DTensor reads off the mesh's listing (``get_coordinate``,
+    which DTensor's metadata and ``torch.distributed.checkpoint`` use): a mesh listing its ranks
+    out of order, e.g. ``DeviceMesh("cpu", [1, 0])``. Never under simulated ranks."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is None and list(device_mesh.get_coordinate()) != coord.tolist()
+
+
+def _refuse_permuted(module, prefix, keep_vars) -> None:
+    """``state_dict`` pre-hook of a model on a permuted mesh (:func:`_permuted`).
+
+    Raises:
+        AutoParallelError: its DTensors' metadata would place each shard at another device's
+            offsets, so a checkpoint would load shuffled weights."""
+    mesh = module.device_mesh.mesh.tolist()
+    raise AutoParallelError(
+        f"this model is sharded over DeviceMesh {mesh}, which lists its ranks out of order: each rank holds the "
+        "shard of its place in the axis' process group, while DTensor (and torch.distributed.checkpoint) read the "
+        "shard's offsets off the mesh's listing, so a checkpoint would load shuffled weights. Build the mesh with "
+        "init_device_mesh (or torch.arange(world).reshape(shape)) to save its state dict")
 
 
 def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) -> None:
