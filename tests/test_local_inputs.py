@@ -222,25 +222,24 @@ def test_plan_validated_against_its_inputs(sim_mesh):
     swapped = autoparallel.Plan.from_json(local.to_json().replace('"inputs": "local"', '"inputs": "global"'))
     with pytest.raises(PlanMismatchError, match="node x"):
         validate_plan(swapped, traced)
-    mesh = sim_mesh((2,))
-    ranks = frozenset(range(2))
-    torch.manual_seed(0)
-    ref = MLP(hidden=64, layers=2)
-    batch = _mlp_batches(64, 16, steps=1)[0]
+    mesh, ranks, ref, batch = _small_mlp(sim_mesh)
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh, plan=local.to_json())
         got = pmodel(**per_rank_batch(batch, ranks))
     assert_close("loss", got, ref(**batch).detach())
 
 
+def _small_mlp(sim_mesh):
+    """A (2,) mesh, its ranks, a 2-layer MLP of width 64 and a global batch of 16 rows for it."""
+    mesh = sim_mesh((2,))
+    torch.manual_seed(0)
+    return mesh, frozenset(range(2)), MLP(hidden=64, layers=2), _mlp_batches(64, 16, steps=1)[0]
+
+
 def test_calls_checked_against_local_shapes_and_replanned(sim_mesh):
     """The module checks calls against one rank's shapes; with replan=True a smaller local batch
     (an epoch's last) is planned for its global batch, and is still exact."""
-    mesh = sim_mesh((2,))
-    ranks = frozenset(range(2))
-    torch.manual_seed(0)
-    ref = MLP(hidden=64, layers=2)
-    batch = _mlp_batches(64, 16, steps=1)[0]
+    mesh, ranks, ref, batch = _small_mlp(sim_mesh)
     with LocalTensorMode(ranks):
         strict = autoparallel.autoparallelize(copy.deepcopy(ref), local_meta(batch, 2), device_mesh=mesh,
                                               inputs="local", cache_dir=False, replan=False)

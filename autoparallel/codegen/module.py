@@ -1,4 +1,5 @@
-"""ParallelModule: the emitted module, a recompiled GraphModule on local shards."""
+"""ParallelModule: the class a model parallelized in place takes on; its ``forward`` runs the
+per-device graph of the plan for each call."""
 
 from __future__ import annotations
 
