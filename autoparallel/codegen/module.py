@@ -362,7 +362,8 @@ class ParallelModule(NotPicklable, nn.Module):
             variant = self._replan(key, args, kwargs)
         flat = graph_inputs(variant, args, kwargs)
         self._ap.batch_check(flat)
-        flat = [input_with_full_grad(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
+        if variant.plan.inputs == "global":  # each rank's own batch (local) is a shard: its gradient is exact
+            flat = [input_with_full_grad(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
         with gradient_sync(not self._ap.no_sync):
             outs = variant.graph_module(self._ap.coord, *flat)
         return self._outputs(variant, outs)
