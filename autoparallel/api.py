@@ -131,6 +131,7 @@ def _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, cost_model) -> M
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    _refuse_parallel(model)
     if not isinstance(meta_inputs, (dict, tuple, list)):
         raise TypeError(f"meta_inputs must be a dict of keyword arguments or a tuple of positional ones, not "
                         f"{type(meta_inputs).__name__} (wrap a single tensor x as (x,))")
@@ -266,7 +267,7 @@ def _check_run(model: nn.Module, device_mesh, plan) -> Plan | None:
     Raises:
         TypeError: ``plan`` or ``device_mesh`` of the wrong type.
         MeshMismatchError: no process group, or a mesh that does not span the world.
-        AutoParallelError: parameters on the meta device.
+        AutoParallelError: parameters on the meta device, or a model already parallelized.
     """
     if isinstance(plan, str):
         plan = Plan.from_json(plan)
@@ -284,12 +285,21 @@ def _check_run(model: nn.Module, device_mesh, plan) -> Plan | None:
                                 f"{tuple(device_mesh.mesh.shape)}) but the world size is {world}; "
                                 "build the mesh over all ranks, e.g. init_device_mesh(device, shape) "
                                 "with prod(shape) == world size")
+    _refuse_parallel(model)
     on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if on_meta:
         raise AutoParallelError(f"autoparallelize needs the model's real weights, but {len(on_meta)} parameters "
                                 f"(e.g. {on_meta[0]}) are on the meta device; load or initialize them first, "
                                 "or use autoparallel.plan() to plan without weights")
     return plan
+
+
+def _refuse_parallel(model: nn.Module) -> None:
+    """Raises:
+        AutoParallelError: ``model`` is already parallelized (in place, by autoparallelize)."""
+    if isinstance(model, ParallelModule):
+        raise AutoParallelError(f"{type(model).__name__} is already parallelized; plan or parallelize the "
+                                "model before autoparallelize (e.g. a copy made before the call)")
 
 
 def _mesh_and_costs(device_mesh, cost_model, mesh_spec, plan, cache_dir) -> tuple[MeshSpec, CostModel | None]:

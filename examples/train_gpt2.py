@@ -19,7 +19,7 @@ What it does, on a 2 x 2 mesh ("dp", "tp") of gloo processes:
 * measures the mesh's costs (``autoparallel.profile_mesh``, cached after the first run),
   plans and applies the parallelization with
   ``autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=...)``,
-  prints the plan's summary (``print(pmodel.plan)``; ``pmodel.plan.table()`` lists every
+  prints the plan's summary (``print(model.plan)``; ``model.plan.table()`` lists every
   node) and the plan beside DDP, FSDP, Megatron TP and FSDP + TP, each priced by the same
   cost model (``autoparallel.compare``);
 * trains 20 steps with AdamW (gradients clipped to norm 1), printing the loss of every step, and checks that the loss
@@ -115,29 +115,30 @@ def main() -> int:
 
     meta_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in data[0].items()}
 
-    t0 = time.perf_counter()
     cost_model = autoparallel.CostModel.from_profile(autoparallel.profile_mesh(mesh))  # every rank measures
-    pmodel = autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost_model,
-                                          mesh_spec=cost_model.profile.mesh_spec(("dp", "tp")))
-    t_plan = time.perf_counter() - t0
-
+    mesh_spec = cost_model.profile.mesh_spec(("dp", "tp"))
     if rank == 0:
-        # plans every recipe on the same capture (no devices) to show each one's compute,
-        # communication and memory beside the plan's
-        comparison = autoparallel.compare(model, meta_inputs, mesh_spec=pmodel.plan.mesh, cost_model=cost_model)
-        print(comparison.plan, flush=True)
+        # every recipe planned on the same capture (no devices), beside the plan: each one's
+        # compute, communication and memory (before the call: it parallelizes the model in place)
+        comparison = autoparallel.compare(model, meta_inputs, mesh_spec=mesh_spec, cost_model=cost_model)
+
+    t0 = time.perf_counter()
+    autoparallel.autoparallelize(model, meta_inputs, device_mesh=mesh, cost_model=cost_model, mesh_spec=mesh_spec)
+    t_plan = time.perf_counter() - t0  # the model is now parallel, in place: same class, same methods
+    if rank == 0:
+        print(model.plan, flush=True)
         print(comparison, flush=True)
         print(f"autoparallelize took {t_plan:.1f} s", flush=True)
 
-    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # built after the call
     losses = []
     t0 = time.perf_counter()
     for step, batch in enumerate(data):
-        out = pmodel(**batch)
+        out = model(**batch)
         loss = out.loss
         loss.backward()
         # DTensor gradients work with the usual utilities: the norm is over the full gradients
-        torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

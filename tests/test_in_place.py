@@ -38,6 +38,8 @@ def test_the_model_keeps_its_class_submodules_and_methods(sim_mesh):
     assert model.config.n_layer == 2 and model.get_input_embeddings() is model.transformer.wte
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert any(placements_of(p) for p in model.parameters())  # ShardParams splits parameters
+    with pytest.raises(autoparallel.AutoParallelError, match="already parallelized"):
+        autoparallel.plan(model, to_meta(batch_for("gpt2", 0)), mesh_shape=(2,))
 
 
 def test_an_optimizer_built_after_trains_one_built_before_raises(sim_mesh):
