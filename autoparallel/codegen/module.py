@@ -251,7 +251,7 @@ class ParallelModule(NotPicklable, nn.Module):
     signature (shapes, dtypes, non-tensor values) and the plain attributes of the submodules
     (``dropout.p``). A call none of them was made for is captured and planned on first use
     with every parameter kept where it is (seconds, once), or, under ``torch.no_grad()`` with a
-    signature never planned (``generate``'s steps), run eagerly by the model's own forward on
+    call never planned in any mode (``generate``'s steps), run eagerly by the model's own forward on
     whole parameters (gathered once and reused until they change), which also fires forward
     hooks registered on submodules. A call with grad enabled while a submodule has a forward
     hook raises (the graph runs no submodule).
@@ -350,7 +350,7 @@ class ParallelModule(NotPicklable, nn.Module):
         attributes, hooked = module_state(self)
         key = call_key(self.training, args, kwargs, attributes)
         variant = self._ap.variants.get(key)
-        if hooked or variant is None and not torch.is_grad_enabled():
+        if hooked or variant is None and not torch.is_grad_enabled() and not self._planned_in_a_mode(key):
             if torch.is_grad_enabled():
                 raise AutoParallelError(
                     f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it calls no "
@@ -368,6 +368,11 @@ class ParallelModule(NotPicklable, nn.Module):
             outs = variant.graph_module(self._ap.coord, *flat)
         return self._outputs(variant, outs)
 
+    def _planned_in_a_mode(self, key) -> bool:
+        """Whether a call like this one (structure, signature, attributes) has a graph in some
+        mode: another mode is then captured (memory-safe), never run eagerly."""
+        return any(k[1:] == key[1:] for k in self._ap.variants)
+
     def _replan(self, key, args, kwargs) -> Variant:
         """Capture and plan a call no graph was made for (in training mode: a new mode, a new
         signature), keeping every parameter where it is.
@@ -376,8 +381,7 @@ class ParallelModule(NotPicklable, nn.Module):
             InputMismatchError: a new signature when the model was built with ``replan=False``.
         """
         recapture = self._ap.recapture
-        known = any(k[1:] == key[1:] for k in self._ap.variants)  # planned in the other mode
-        if recapture is None or not (known or recapture.replan):
+        if recapture is None or not (self._planned_in_a_mode(key) or recapture.replan):
             raise InputMismatchError(f"{mismatch(self._first, args, kwargs)}; call autoparallelize with replan=True "
                                      "(the default) to plan each new call on first use, or with meta_inputs like these")
         return recapture(self, args, kwargs)
