@@ -103,6 +103,22 @@ def test_generate_returns_the_single_device_tokens(sim_mesh):
     assert_close("generated tokens", got, want)
 
 
+def test_a_call_export_cannot_capture_runs_eagerly_with_exact_gradients(sim_mesh):
+    """use_cache=True in training returns a cache object torch.export cannot capture: the call
+    runs the model's own forward on whole parameters, with a warning, and its loss and every
+    gradient are the single-device ones."""
+    ref, model = _gpt2(sim_mesh)
+    batch = batch_for("gpt2", 6)
+    ref(**batch, use_cache=True).loss.backward()
+    with LocalTensorMode(RANKS2), pytest.warns(UserWarning, match="cannot be captured"):
+        got = model(**batch, use_cache=True).loss
+        got.backward()
+        assert_close("loss", got.detach(), ref(**batch, use_cache=True).loss.detach())
+        for name, p in model.named_parameters():
+            assert_close(f"grad of {name}", whole(p.grad), dict(ref.named_parameters())[name].grad)
+    assert len(model._ap.eager.refused) == 1
+
+
 def test_attribute_changes_are_captured_again(sim_mesh):
     """A plain attribute the captured graph depends on (a LayerNorm's eps), set after
     the call: the next call is captured again and computes what the model now does."""

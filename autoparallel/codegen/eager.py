@@ -18,28 +18,39 @@ from ..errors import AutoParallelError
 
 class EagerRunner:
     """Runs the model's own forward with its parameters and buffers whole: each DTensor
-    gathered (``full_tensor()``, a collective every rank joins), kept while no local shard
-    changes (``generate`` reuses one gather for all its steps), plain tensors as they are.
-    For calls under ``torch.no_grad()`` that no per-device graph was made for; every rank
-    then holds the whole model for the call."""
+    gathered (``full_tensor()``, a collective every rank joins), plain tensors as they are.
+    Under ``torch.no_grad()`` the gathered tensors are kept while no local shard changes
+    (``generate`` reuses one gather for all its steps); with grad enabled they are gathered
+    for the call, differentiably (DTensor's autograd takes each parameter's gradient back to
+    its shard). For calls no per-device graph was made for; every rank then holds the whole
+    model for the call.
+
+    Attributes:
+        refused: call keys whose capture failed: run eagerly from then on, not captured again.
+    """
 
     def __init__(self):
         self._versions: tuple | None = None
         self._whole: dict[str, torch.Tensor] = {}
+        self.refused: set = set()
 
     @contextlib.contextmanager
     def whole_state(self, model: nn.Module):
-        """Within: ``model``'s parameters and buffers (every name) are whole plain tensors."""
+        """Within: ``model``'s parameters and buffers (every name) are whole tensors."""
         state = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        if torch.is_grad_enabled():
+            whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in state}
+        else:
+            whole = self._kept(state)
+        with _reparametrize_module(model, whole):
+            yield
+
+    def _kept(self, state) -> dict[str, torch.Tensor]:
         versions = tuple((t.to_local() if isinstance(t, DTensor) else t)._version for _, t in state)
         if versions != self._versions:
-            self._whole = {}
-            with torch.no_grad():
-                for name, t in state:
-                    self._whole[name] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            self._whole = {name: t.full_tensor() if isinstance(t, DTensor) else t.detach() for name, t in state}
             self._versions = versions
-        with _reparametrize_module(model, self._whole):
-            yield
+        return self._whole
 
 
 _RETIRED = WeakIdKeyDictionary()  # parameter replaced by autoparallelize -> its name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from ..errors import AutoParallelError, InputMismatchError
+from ..errors import AutoParallelError, CaptureError, InputMismatchError
 from ..fqn import get_attr, set_attr
 from ..pickling import NotPicklable
 from ..plan import Plan
@@ -253,8 +254,10 @@ class ParallelModule(NotPicklable, nn.Module):
     with every parameter kept where it is (seconds, once), or, under ``torch.no_grad()`` with a
     call never planned in any mode (``generate``'s steps), run eagerly by the model's own forward on
     whole parameters (gathered once and reused until they change), which also fires forward
-    hooks registered on submodules. A call with grad enabled while a submodule has a forward
-    hook raises (the graph runs no submodule).
+    hooks registered on submodules. A call whose capture fails (``use_cache=True`` returns a
+    cache object export cannot) runs eagerly too, with a warning, differentiably when grad
+    is enabled. A call with grad enabled while a submodule has a forward hook raises (the
+    graph runs no submodule).
 
     Attributes:
         plan / graph_module: the first plan and its per-device ``fx.GraphModule``
@@ -350,16 +353,18 @@ class ParallelModule(NotPicklable, nn.Module):
         attributes, hooked = module_state(self)
         key = call_key(self.training, args, kwargs, attributes)
         variant = self._ap.variants.get(key)
-        if hooked or variant is None and not torch.is_grad_enabled() and not self._planned_in_a_mode(key):
-            if torch.is_grad_enabled():
-                raise AutoParallelError(
-                    f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it calls no "
-                    "submodule); register the hook on the model itself, or call under torch.no_grad(), where the "
-                    "model runs eagerly and its submodules' hooks fire")
+        eager = key in self._ap.eager.refused or \
+            variant is None and not torch.is_grad_enabled() and not self._planned_in_a_mode(key)
+        if hooked and torch.is_grad_enabled():
+            raise AutoParallelError(
+                f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it calls no "
+                "submodule); register the hook on the model itself, or call under torch.no_grad(), where the "
+                "model runs eagerly and its submodules' hooks fire")
+        if variant is None and not (eager or hooked):
+            variant = self._replan(key, args, kwargs)
+        if variant is None or hooked:
             with self._ap.eager.whole_state(self):
                 return super().forward(*args, **kwargs)
-        if variant is None:
-            variant = self._replan(key, args, kwargs)
         flat = graph_inputs(variant, args, kwargs)
         self._ap.batch_check(flat)
         if variant.plan.inputs == "global":  # each rank's own batch (local) is a shard: its gradient is exact
@@ -373,9 +378,11 @@ class ParallelModule(NotPicklable, nn.Module):
         mode: another mode is then captured (memory-safe), never run eagerly."""
         return any(k[1:] == key[1:] for k in self._ap.variants)
 
-    def _replan(self, key, args, kwargs) -> Variant:
+    def _replan(self, key, args, kwargs) -> Variant | None:
         """Capture and plan a call no graph was made for (in training mode: a new mode, a new
         signature), keeping every parameter where it is.
+
+        Returns ``None`` where the capture fails (the call then runs eagerly, see the class).
 
         Raises:
             InputMismatchError: a new signature when the model was built with ``replan=False``.
@@ -384,7 +391,13 @@ class ParallelModule(NotPicklable, nn.Module):
         if recapture is None or not (self._planned_in_a_mode(key) or recapture.replan):
             raise InputMismatchError(f"{mismatch(self._first, args, kwargs)}; call autoparallelize with replan=True "
                                      "(the default) to plan each new call on first use, or with meta_inputs like these")
-        return recapture(self, args, kwargs)
+        try:
+            return recapture(self, args, kwargs)
+        except CaptureError as e:  # e.g. a cache object returned (use_cache=True): the model's own forward runs it
+            warnings.warn(f"this call cannot be captured, so it runs the model's own forward on whole parameters "
+                          f"(from now on for calls like it): {e}", stacklevel=4)
+            self._ap.eager.refused.add(key)
+            return None
 
     def _outputs(self, variant: Variant, outs):
         if variant.buffer_mutations:
