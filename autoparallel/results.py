@@ -16,6 +16,7 @@ held (plan cache 0.8.1 and earlier) into their fields.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 
 from .jsonfields import _check, _fields, _is_count, _is_number
@@ -155,7 +156,7 @@ class Estimate:
 _ESTIMATE_FIELDS = tuple(f.name for f in fields(Estimate))
 
 
-class _Record:
+class _Record(ABC):
     """A dataclass written to JSON as its fields and read back checked: exactly its fields,
     each of the type :meth:`_check_types` asks for."""
 
@@ -177,8 +178,9 @@ class _Record:
         return cls(**d)
 
     @classmethod
+    @abstractmethod
     def _check_types(cls, d: dict) -> None:
-        raise NotImplementedError
+        """Raise ValueError naming the first field of ``d`` of the wrong type."""
 
 
 @dataclass
