@@ -49,11 +49,12 @@ _MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # bf16's rate stands for every
 _MAX_MATMUL_N = 8192
 _BATCH_S = 1e-3  # a timed batch of back-to-back collectives lasts about this long or more
 _MAX_CALLS = 16
+_SIZE_STEP = 4  # measured message sizes grow by this factor: 4 KiB, 16 KiB, ... (8 sizes to 256 MiB)
 _WINDOW_S = 0.03  # a timed sample of the device's rates repeats its op for at least this long
 _CHAIN = 32  # ops in the chain whose forward and backward time the per-op overhead
 
 
-def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calibration_budget: float = 2.0,
+def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 3.0, calibration_budget: float = 2.0,
                  min_bytes: int = 4096, max_bytes: int = 256 * 2**20, repeats: int = 5,
                  refresh: bool = False) -> CommProfile:
     """Measure (or load from the cache) the costs of ``device_mesh``; every rank calls it.
@@ -63,8 +64,8 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calib
         cache_dir: the cache folder (see :func:`autoparallel.cache.cache_path`); ``False``
             neither reads nor writes a profile.
         time_budget: seconds for the collective sweep, shared evenly among the (axis,
-            collective) pairs; each pair stops doubling its size when the next size would
-            overrun its share (it measures at least three sizes).
+            collective) pairs (the all-reduce over the world, when measured, gets two shares); each pair stops growing its size (by 4x) when the next size
+            would overrun its share (it measures at least three sizes).
         calibration_budget: seconds for measuring the device's rates, when not cached.
         min_bytes / max_bytes: the smallest and (at most) largest message in bytes; the
             largest is also bounded by a quarter of the free memory of the slowest rank.
@@ -103,8 +104,9 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 8.0, calib
     def group(a):
         return dist.group.WORLD if a is None else device_mesh.get_group(a)
 
+    share = time_budget / (len(pairs) + 1)  # the world's all-reduce (DDP's gradient buckets) gets two shares
     tables = {(a, k): _measure(k, group(a), dist.get_world_size() if a is None else shape[a], device,
-                               time_budget / len(pairs), min_bytes, max_bytes, repeats) for a, k in pairs}
+                               share * (2 if a is None else 1), min_bytes, max_bytes, repeats) for a, k in pairs}
     names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(shape)))
     seconds = _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, device)[0]
     profile = CommProfile(identity, names, tables, rates, round(seconds, 3))
@@ -219,8 +221,9 @@ def _size_bound(device: torch.device, max_bytes: int, min_bytes: int, ranks_on_h
 # ------------------------------------------------------------------ collectives
 def _measure(kind: str, group, n: int, device: torch.device, budget: float, min_bytes: int, max_bytes: int,
              repeats: int) -> CollectiveTable:
-    """The table of ``kind`` over ``group`` (``n`` ranks): sizes doubling from ``min_bytes``
-    while the next one fits in ``budget`` seconds (at least three) and ``max_bytes``."""
+    """The table of ``kind`` over ``group`` (``n`` ranks): sizes growing by :data:`_SIZE_STEP`
+    from ``min_bytes`` while the next one fits in ``budget`` seconds (at least three) and
+    ``max_bytes``; lookups interpolate between them (:class:`CollectiveTable`)."""
     sizes, times, spent, calls, size = [], [], 0.0, 4, min_bytes
     while size <= max_bytes or len(sizes) < 2:
         t0 = time.perf_counter()
@@ -230,11 +233,21 @@ def _measure(kind: str, group, n: int, device: torch.device, budget: float, min_
             sizes.append(nbytes)
             times.append(t)
         spent += wall
-        if len(sizes) >= 3 and spent + 2.2 * wall > budget:  # the next size takes about twice as long
+        if len(sizes) >= 3 and spent + 1.2 * wall * _growth(times) > budget:
             break
-        size *= 2
+        size *= _SIZE_STEP
         calls = max(1, min(_MAX_CALLS, int(_BATCH_S / t)))
     return CollectiveTable.fit(sizes, times)
+
+
+def _growth(times: list[float]) -> float:
+    """How many times longer the next size's collective takes than the last one's, on the line
+    through the last two measured times (sizes :data:`_SIZE_STEP` apart): about 1 while the
+    latency dominates, :data:`_SIZE_STEP` once the bandwidth does."""
+    if len(times) < 2:
+        return _SIZE_STEP
+    slope_part = _SIZE_STEP * max(0.0, times[-1] - times[-2])  # (t - t_prev) / (b - b/STEP) * (STEP b - b)
+    return min(_SIZE_STEP, 1.0 + slope_part / times[-1])
 
 
 def _time_collective(kind: str, group, n: int, size: int, device: torch.device, repeats: int,
@@ -430,12 +443,12 @@ class _ReferenceBlocks(torch.nn.Module):
 
 
 def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
-    """The forward and backward of :class:`_ReferenceBlocks` on a ``[4, 128, 512]`` input as
+    """The forward and backward of :class:`_ReferenceBlocks` on a ``[2, 128, 512]`` input as
     planned for one device with ``rates`` (the estimate's compute less the optimizer step), over
     its measured time (:func:`_median_time`): the share of the roofline's rates a training step
     achieves in place (:attr:`DevicePreset.step_efficiency`)."""
     with torch.device(device):
-        model, x = _ReferenceBlocks(), torch.randn(4, 128, 512)
+        model, x = _ReferenceBlocks(), torch.randn(2, 128, 512)
     meta = (torch.empty(x.shape, device="meta"),)
     options = PlanOptions(cost_model=CostModel(rates), cache_dir=False, device=device.type)
     estimate = plan_traced(capture(model, meta, device=device.type), MeshSpec((1,)), options).estimate
