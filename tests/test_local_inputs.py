@@ -186,6 +186,32 @@ def test_gpt2_local_batches_tensor_parallel(mesh_shape, sim_mesh):
     assert all(any(p.is_shard() for p in s) for s in pmodel.plan.param_placements.values())
 
 
+def test_eager_calls_with_grad_run_on_the_global_batch(sim_mesh):
+    """A call with grad that runs the model's own forward (a submodule with a forward hook)
+    gathers the ranks' batches: the loss, every gradient and each rank's input gradient are the
+    single-device model's on the global batch."""
+    ref, mesh, ranks = MLP(16), sim_mesh((2,)), frozenset(range(2))
+    batch = _mlp_batches(16, 8, steps=1)[0]
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), local_meta(batch, 2), device_mesh=mesh,
+                                              cost_model=ShardParams("cpu"), inputs="local", cache_dir=False)
+    pmodel.layers[0].register_forward_hook(lambda m, i, o: None)
+    x = batch["x"].clone().requires_grad_()
+    want = ref(x, batch["y"])
+    want.backward()
+    with LocalTensorMode(ranks):
+        local = per_rank_batch(batch, ranks)
+        local["x"].requires_grad_()
+        with pytest.warns(UserWarning, match="forward hook"):
+            got = pmodel(**local)
+        got.backward()
+        assert_close("loss", got.detach(), want.detach())
+        for name, p in pmodel.named_parameters():
+            assert_close(f"grad of {name}", whole(p.grad), dict(ref.named_parameters())[name].grad)
+        for r in ranks:
+            assert_close(f"rank {r}'s input gradient", local["x"].grad._local_tensors[r], x.grad.chunk(2)[r])
+
+
 def test_zero_dim_input_raises(sim_mesh):
     class Scaled(torch.nn.Module):
         def __init__(self):

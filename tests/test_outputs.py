@@ -45,6 +45,22 @@ def _run(mesh_shape, cost, sim_mesh, outputs=None):
     return pmodel, got, logits, want, ref, grads
 
 
+def test_split_output_errors_name_the_remedies(sim_mesh):
+    """A split output mixed with a plain tensor, or read as Python values, fails inside DTensor;
+    the error names .full_tensor() and outputs="replicated", through ops on the output too."""
+    model, batch, mesh = build_model("gpt2"), batch_for("gpt2", 0), sim_mesh((2,))
+    with LocalTensorMode(frozenset(range(2))):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cost_model=CheapComm("cpu"))
+        logits = pmodel(**batch).logits
+        assert isinstance(logits, DTensor) and logits.placements != (Replicate(),)
+        flat = logits.flatten(0, 1)  # an op's result keeps the hint
+        for use in (lambda: torch.nn.functional.cross_entropy(flat, batch["labels"].flatten()),
+                    lambda: logits.tolist()):
+            with pytest.raises(RuntimeError, match=r'(?s)full_tensor\(\).*outputs="replicated"'):
+                use()
+        torch.testing.assert_close(flat.full_tensor(), logits.full_tensor().flatten(0, 1))
+
+
 @pytest.mark.parametrize("mesh_shape,cost", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
 def test_sharded_outputs(mesh_shape, cost, sim_mesh):
     pmodel, got, logits, want, ref, grads = _run(mesh_shape, cost, sim_mesh)

@@ -18,10 +18,11 @@ from ..errors import AutoParallelError, CaptureError, InputMismatchError
 from ..fqn import get_attr, set_attr
 from ..pickling import NotPicklable
 from ..plan import Plan
-from ..runtime_kernels import input_with_full_grad, per_rank
+from ..runtime_kernels import gathered_batch, input_with_full_grad, per_rank
 from ..runtime_kernels.grad_reduction import gradient_sync
 from .batch_check import BatchCheck
 from .eager import EagerRunner, retire
+from .split_output import mark
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
@@ -256,8 +257,10 @@ class ParallelModule(NotPicklable, nn.Module):
     whole parameters (gathered once and reused until they change), which also fires forward
     hooks registered on submodules. A call whose capture fails (``use_cache=True`` returns a
     cache object export cannot) runs eagerly too, with a warning, differentiably when grad
-    is enabled. A call with grad enabled while a submodule has a forward hook raises (the
-    graph runs no submodule).
+    is enabled. While a submodule has a forward hook every call runs eagerly, so that it
+    fires (with a warning under grad: every rank gathers every parameter). Under
+    ``inputs="local"`` an eager call with grad runs on the global batch (the ranks' gathered),
+    as the graphs do; under ``torch.no_grad()`` on this rank's own (``generate`` per rank).
 
     Attributes:
         plan / graph_module: the first plan and its per-device ``fx.GraphModule``
@@ -269,8 +272,7 @@ class ParallelModule(NotPicklable, nn.Module):
     Raises (on call):
         InputMismatchError: a new signature with grad enabled when built with
             ``replan=False``, or ranks that pass different batches.
-        AutoParallelError (a subclass): when capturing or planning a new call fails, or a
-            submodule has a forward hook on a call with grad enabled.
+        AutoParallelError (a subclass): when capturing or planning a new call fails.
     """
 
     unpicklable_what = "a model parallelized by autoparallel"
@@ -353,18 +355,17 @@ class ParallelModule(NotPicklable, nn.Module):
         attributes, hooked = module_state(self)
         key = call_key(self.training, args, kwargs, attributes)
         variant = self._ap.variants.get(key)
-        eager = key in self._ap.eager.refused or \
+        eager = bool(hooked) or key in self._ap.eager.refused or \
             variant is None and not torch.is_grad_enabled() and not self._planned_in_a_mode(key)
         if hooked and torch.is_grad_enabled():
-            raise AutoParallelError(
-                f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it calls no "
-                "submodule); register the hook on the model itself, or call under torch.no_grad(), where the "
-                "model runs eagerly and its submodules' hooks fire")
-        if variant is None and not (eager or hooked):
-            variant = self._replan(key, args, kwargs)
-        if variant is None or hooked:
-            with self._ap.eager.whole_state(self):
-                return super().forward(*args, **kwargs)
+            warnings.warn(f"submodule {hooked[0]!r} has a forward hook, which the per-device graph cannot run (it "
+                          "calls no submodule), so this call runs the model's own forward on whole parameters (every "
+                          "rank gathers every parameter); register the hook on the model itself to run the plan",
+                          stacklevel=2)
+        if variant is None and not eager:
+            variant = self._replan(key, args, kwargs)  # None where the capture fails
+        if eager or variant is None:
+            return self._eager(args, kwargs)
         flat = graph_inputs(variant, args, kwargs)
         self._ap.batch_check(flat)
         if variant.plan.inputs == "global":  # each rank's own batch (local) is a shard: its gradient is exact
@@ -372,6 +373,16 @@ class ParallelModule(NotPicklable, nn.Module):
         with gradient_sync(not self._ap.no_sync):
             outs = variant.graph_module(self._ap.coord, *flat)
         return self._outputs(variant, outs)
+
+    def _eager(self, args, kwargs):
+        """The model's own forward on whole parameters (:class:`EagerRunner`). With grad
+        enabled under ``inputs="local"``, on the global batch (every rank's gathered,
+        :func:`~autoparallel.runtime_kernels.gathered_batch`): the loss and every gradient are
+        then the global batch's, as the plan's graphs compute them."""
+        if torch.is_grad_enabled() and self.plan.inputs == "local":
+            args, kwargs = pytree.tree_map_only(torch.Tensor, gathered_batch, (args, kwargs))
+        with self._ap.eager.whole_state(self):
+            return super().forward(*args, **kwargs)
 
     def _planned_in_a_mode(self, key) -> bool:
         """Whether a call like this one (structure, signature, attributes) has a graph in some
@@ -413,11 +424,12 @@ class ParallelModule(NotPicklable, nn.Module):
 
     def _as_dtensor(self, local: torch.Tensor, returned) -> DTensor:
         """A value the graph returns sharded, as the DTensor of ``returned`` = (placements,
-        global shape) over the module's mesh: ``.full_tensor()`` gives it whole."""
+        global shape) over the module's mesh: ``.full_tensor()`` gives it whole; a
+        :class:`~autoparallel.codegen.split_output.SplitOutput`, whose errors name the remedies."""
         spec, shape = returned
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))  # contiguous, as on one device
-        return DTensor.from_local(local, self.device_mesh, list(spec), run_check=False, shape=torch.Size(shape),
-                                  stride=stride)
+        return mark(DTensor.from_local(local, self.device_mesh, list(spec), run_check=False, shape=torch.Size(shape),
+                                       stride=stride))
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -190,3 +190,33 @@ def input_with_full_grad(x: torch.Tensor) -> torch.Tensor:
     each device holds a partial sum of a replicated value's gradient (a device that read its
     rows only holds theirs)."""
     return _InputFullGrad.apply(x)
+
+
+class _GatheredBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        group = dist.distributed_c10d._get_default_group()
+        ctx.group = group.group_name
+        ctx.world = group.size()
+        gathered = _c10d.all_gather_into_tensor(per_rank(x).contiguous(), ctx.world, ctx.group)
+        return _c10d.wait_tensor(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank computed the same function of the global batch, so every rank holds the
+        # same gradient: the reduce-scatter's sum over ranks, divided by their number, is this
+        # rank's rows of it (a slice that is per rank under simulated ranks too)
+        rows = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(per_rank(grad).contiguous(), "sum", ctx.world, ctx.group))
+        return rows / ctx.world
+
+
+def gathered_batch(x: torch.Tensor) -> torch.Tensor:
+    """This rank's batch ``x`` (``[b, ...]``) → the global batch ``[world · b, ...]``: every
+    rank's concatenated along dim 0 in rank order (``inputs="local"``), on every rank. For a
+    forward every rank then runs whole (the eager path): its gradient, the same on every rank,
+    comes back as this rank's rows."""
+    if x.dim() == 0:
+        return x
+    return _GatheredBatch.apply(x)
