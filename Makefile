@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[hf,test,triton]'
 	touch $(STAMP)
 
+# the whole suite: in-process tests on two pytest-xdist workers (one per core), then the tests
+# that spawn real gloo processes one at a time (each runs 2 or 4 ranks on the two cores)
 test: $(STAMP)
-	$(PY) -m pytest tests -x --durations=15
+	$(PY) -m pytest tests -x -n 2 -m "not multiprocess" --durations=15
+	$(PY) -m pytest tests -x -m multiprocess --durations=10
 
 # everyday tier: no real processes, no parity matrices over every model, mesh and cost model;
 # two pytest-xdist workers (one per core here)
