@@ -164,3 +164,31 @@ def test_checkpointed_plan_roundtrips_json():
                           memory_budget=int(0.7 * free.estimate.peak_memory_bytes))
     assert p.checkpoint and Plan.from_json(p.to_json()) == p
     assert p.estimate.step_time_s > free.estimate.step_time_s
+
+
+def _gpt2_activations(world: int, device: str) -> int:
+    """Most modelled activation bytes per device over the step of a data-parallel GPT-2 with
+    attention dropout (a math kernel on CPU), one 256-token sequence per device."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=256,
+                                           use_cache=False))
+    ids = torch.empty(world, 256, dtype=torch.long, device="meta")
+    plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids}, mesh_shape=(world,), parallelism="data",
+                             cache_dir=False, device=device)
+    return max(plan.inspection.memory_timeline["by_kind"]["activations"])
+
+
+def test_attention_activations_split_with_the_batch():
+    """Attention's saved probabilities [B, H, S, S] (and the math kernel's [B·H, S, S]) are
+    split as the query: one sequence per device on 4 devices models what one device with one
+    sequence does, not the global batch's. Planned for a GPU on this CPU build, attention saves
+    what the fused kernels save (the logsumexp, not the probabilities): less."""
+    one, four = _gpt2_activations(1, "cpu"), _gpt2_activations(4, "cpu")
+    assert abs(four - one) <= 0.01 * one, (one, four)
+    gpu_one, gpu_four = _gpt2_activations(1, "cuda"), _gpt2_activations(4, "cuda")
+    assert abs(gpu_four - gpu_one) <= 0.01 * gpu_one, (gpu_one, gpu_four)
+    probs = 4 * 4 * 256 * 256  # one [1, 4, 256, 256] fp32 tensor
+    assert gpu_one <= one - probs, (one, gpu_one)

@@ -226,23 +226,34 @@ class Saved:
     floating: bool = False
 
 
-def _aligned_operand(shape: tuple[int, ...], operands: list[tuple]) -> int | None:
+def _aligned_operand(shape: tuple[int, ...], operands: list[tuple]) -> tuple[int, list[tuple[int, ...]]] | None:
     """The first operand (index into ``operands``, global shapes) that a saved tensor of
-    ``shape`` is derived from, with the operand dim each of its dims follows: an operand of the
-    same shape; else one of the same rank whose dims ``shape`` keeps or reduces to 1; else one
-    whose leading dims are ``shape``. Dim ``i`` of the tensor follows dim ``i`` of the operand
-    where their sizes agree. ``None`` for a 0-d tensor or when none fits."""
+    ``shape`` is derived from, and for each dim of the tensor the operand dims it is made of
+    (``()``: its own, kept whole). Tried in order: an operand of the same shape; one of the
+    same rank whose dims ``shape`` keeps or reduces to 1; one whose leading dims are ``shape``;
+    one of the same rank and the same dim 0 (attention probabilities ``[B, H, S, S]`` of a query
+    ``[B, H, S, D]``); one whose first two dims ``shape`` merges into its dim 0 (``[B·H, S, S]``,
+    a math kernel's batched matmuls). A dim follows the operand's where their sizes agree.
+    ``None`` for a 0-d tensor or when none fits."""
     if not shape:
         return None
-    for k, op in enumerate(operands):
-        if tuple(op) == shape:
-            return k
-    for k, op in enumerate(operands):
-        if len(op) == len(shape) and all(a in (b, 1) for a, b in zip(shape, op)):
-            return k
-    for k, op in enumerate(operands):
-        if len(op) > len(shape) and tuple(op[:len(shape)]) == shape:
-            return k
+
+    def same_place(op, offset=0):
+        return [(i + offset,) if i + offset < len(op) and op[i + offset] == n else () for i, n in enumerate(shape)]
+
+    rules = (
+        lambda op: tuple(op) == shape and same_place(op),
+        lambda op: len(op) == len(shape) and all(a in (b, 1) for a, b in zip(shape, op)) and same_place(op),
+        lambda op: len(op) > len(shape) and tuple(op[:len(shape)]) == shape and same_place(op),
+        lambda op: len(op) == len(shape) and op[0] == shape[0] and same_place(op),
+        lambda op: len(op) == len(shape) + 1 and shape[0] == op[0] * op[1] and
+        [(0, 1)] + same_place(op, 1)[1:],
+    )
+    for rule in rules:
+        for k, op in enumerate(operands):
+            follow = rule(op)
+            if follow:
+                return k, follow
     return None
 
 
@@ -333,28 +344,48 @@ def _kernels_device(device: str) -> str:
     if built is None or built():
         return device
     log.warning("memory model: this torch is built without %s; the tensors ops save for the backward are "
-                "measured with CPU kernels (attention may save more than on %s)", device, device)
+                "measured with CPU kernels (attention's as %s's fused kernels save them)", device, device)
     return "cpu"
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _fused_attention_saved(node: fx.Node) -> list[tuple[str, int, int, tuple, bool]]:
+    """What ``scaled_dot_product_attention`` saves for backward on a GPU, in
+    :func:`_saved_by_op`'s entries: its tensor inputs (query, key, value, a mask), its output
+    and the logsumexp, ``[B, H, S_q]`` in float32 (the flash and memory-efficient kernels' saved
+    tensors, their random seed and offset aside: ``aten._scaled_dot_product_flash_attention``'s
+    and ``_efficient_attention``'s outputs; Dao et al., FlashAttention, NeurIPS 2022, §3.1).
+    Measured with a CPU build's kernels instead, a math kernel (dropout) saves the
+    ``[B, H, S_q, S_k]`` probabilities: 16x more at S = 1024."""
+    q_shape = node_info(tensor_inputs(node)[0][1]).outputs[0][0]
+    lse = tuple(q_shape[:-1])
+    return [("input", j, 0, (), False) for j in range(len(tensor_inputs(node)))] + \
+        [("output", 0, 0, (), False), ("internal", -1, 4 * math.prod(lse), lse, False)]
 
 
 def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: str = "meta") -> list[Saved]:
     """What every node saves for backward (global sizes), in graph order.
 
     Each distinct op signature runs once, alone, on FakeTensors of ``device`` (CPU's where this
-    torch lacks its backend: :func:`_kernels_device`) under
+    torch lacks its backend: :func:`_kernels_device`, attention then counted as the GPU's fused
+    kernels save it, :func:`_fused_attention_saved`) under
     ``torch.autograd.graph.saved_tensors_hooks`` (nothing is allocated; repeated layers
     cost nothing more). Saved inputs and outputs are mapped to the graph value that owns
     their storage (:func:`storage_owner`). Nodes without tensor outputs (``aten.item``: a
     Python number) save nothing: autograd does not differentiate through them.
     """
-    device = _kernels_device(device)
+    kernels = _kernels_device(device)
     memo: dict = {}
     records = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in aliases or not node_info(node).outputs:
             continue  # a node without tensor outputs (.item()) has no backward: it saves nothing
         ins = tensor_inputs(node)
-        for kind, j, nbytes, shape, floating in _saved_by_op(node, device, traced_on, memo):
+        fused = node.target is _SDPA and kernels != device and any(node_info(x).requires_grad for _, x in ins)
+        entries = _fused_attention_saved(node) if fused else _saved_by_op(node, kernels, traced_on, memo)
+        for kind, j, nbytes, shape, floating in entries:
             if kind == "input":
                 records.append(Saved(node, storage_owner(ins[j][1], aliases), j, 0))
             elif kind == "output":
@@ -505,12 +536,14 @@ class MemoryModel:
         found = _aligned_operand(shape, [sh for sh, _, _ in operands])
         if found is None:  # not derived from one operand: a scalar or a workspace, kept whole
             return lambda s: nbytes
-        op_shape, side, j = operands[found]
-        whole = max(1, math.prod(shape))
+        k, follow = found
+        op_shape, side, j = operands[k]
+        dims = [d for ds in follow for d in ds]
+        whole = max(1, math.prod(op_shape[d] for d in dims))
 
         def size(s):
             local = local_shape(op_shape, getattr(s, side)[j], self.mesh_shape)
-            return nbytes * math.prod(loc if n == op_n else n for n, op_n, loc in zip(shape, op_shape, local)) // whole
+            return nbytes * math.prod(local[d] for d in dims) // whole
 
         return size
 
