@@ -158,7 +158,7 @@ def parse(argv: list[str], commands=None, prog: str = PROG):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(spec, args=argv, prog=label, description=__doc__.split("\n\n")[0],
+            result = tyro.cli(spec, args=argv, prog=label, description=__doc__.split("\n\n")[0],
                             config=(tyro.conf.OmitSubcommandPrefixes,), **kwargs)
     except SystemExit as e:
         if e.code:
@@ -166,9 +166,8 @@ def parse(argv: list[str], commands=None, prog: str = PROG):
         raise
     except ConfigError as e:  # a dataclass's own check, on construction
         _fail(prog, str(e))
-    finally:
-        if err.getvalue() and not err.getvalue().lstrip().startswith(("╭", "+")):
-            sys.stderr.write(err.getvalue())
+    sys.stderr.write(err.getvalue())  # warnings printed while parsing
+    return result
 
 
 def main(argv=None) -> int:
@@ -291,7 +290,9 @@ def _train(cmd: TrainCmd, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                str(TRAIN_SCRIPT), *_renamed_flags(rest, warn=False)]
     print(" ".join(command), flush=True)
-    return subprocess.call(command)
+    root = str(TRAIN_SCRIPT.parent.parent)  # the processes import this checkout's autoparallel
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    return subprocess.call(command, env=env)
 
 
 def write_report(plan, folder) -> list[str]:
@@ -342,15 +343,16 @@ def _renamed_flags(argv: list[str], warn: bool = True) -> list[str]:
 
 
 def _one_line(text: str) -> str:
-    """tyro's boxed error message as one line: its first paragraph, box drawing removed."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    """tyro's boxed error message as one line: the box's first paragraph (under its title line,
+    above its first rule), borders removed (UTF-8 or plain boxes alike)."""
+    rows = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if line.strip()]
     lines = []
-    for line in text.splitlines():
-        line = line.strip().strip("│|").strip()
-        if not line or set(line) <= set("╭╮╰╯─-+ ") or line.startswith(("╭", "╰", "+-")):
-            if lines and line and set(line) <= set("─-"):
-                break  # the rule under the message: the rest is help
-            continue
+    for line in rows[1:]:
+        line = line.strip().strip("│|+").strip()
+        if line and set(line) <= set("─-═╰╯+ "):
+            if lines:
+                break  # the rule under the message (or the box's bottom): the rest is help
+            continue  # a plain box's rule under its title
         lines.append(line)
     text = " ".join(lines).replace("Error parsing ", "")
     return re.sub(r"^\S*__tyro\S*: ", "", text)  # tyro's name of the struct whose check raised
