@@ -176,3 +176,20 @@ def test_train_saves_and_resume_continues_the_losses(tmp_path, capfd):
     assert len(full) == 4 and all(math.isfinite(x) for x in full)
     assert main(["train", *common, "--resume"]) == 0
     assert losses() == full[2:]
+
+
+@pytest.mark.slow  # ~50 s: the infeasible "auto" search solves many ILPs
+def test_checkpointing_off_refuses_recomputation_that_auto_tries():
+    """Under a budget nothing fits, "auto" has tried recomputing activations (its message says
+    so), "off" has not; "full" checkpoints every stage whatever the budget."""
+    from autoparallel.demo import ModelConfig
+
+    model, inputs = ModelConfig(layers=2, hidden=64, vocab=128, batch=8, seq=16).build("meta")
+    run = Config(mesh=(2,), cache="off", memory_budget=1000)
+    with pytest.raises(autoparallel.InfeasiblePlanError, match="even recomputing activations"):
+        autoparallel.plan(model, inputs, **run.plan_keywords())
+    with pytest.raises(autoparallel.InfeasiblePlanError, match="no plan fits") as e:
+        autoparallel.plan(model, inputs, **run.replace(checkpointing="off").plan_keywords())
+    assert "recomputing" not in str(e.value)
+    full = autoparallel.plan(model, inputs, **run.replace(checkpointing="full", memory_budget=None).plan_keywords())
+    assert full.checkpoint is not None and full.estimate.recompute_s > 0
