@@ -1,4 +1,4 @@
-# autoparallel: make demo | make test | make test-fast | make bench | make bench-speed | make clean
+# autoparallel: make demo | make train-example | make test | make test-fast | make bench | make bench-speed | make clean
 
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: test test-fast demo bench bench-speed clean venv
+.PHONY: test test-fast demo train-example bench bench-speed clean venv
 
 venv: $(STAMP)
 
@@ -35,6 +35,13 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py
+
+# examples/train.py on 2 gloo processes: 20 steps of a tiny GPT-2, a checkpoint at step 10, then resumed from it
+train-example: $(STAMP)
+	$(PY) -m autoparallel train --model gpt2 --layers 2 --hidden 64 --vocab 128 --batch 8 --seq 32 --mesh 2 \
+		--steps 20 --checkpoint-dir /tmp/autoparallel-train-example --save-at 10
+	$(PY) -m autoparallel train --model gpt2 --layers 2 --hidden 64 --vocab 128 --batch 8 --seq 32 --mesh 2 \
+		--steps 20 --checkpoint-dir /tmp/autoparallel-train-example --resume
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_time.py

@@ -12,6 +12,7 @@ _install_torchvision_compat()  # first: lets a CUDA torchvision wheel import on 
 
 from .api import autoparallelize, compare, coverage, plan
 from .codegen import ParallelModule
+from .config import Config, ConfigError
 from .constraints import ConstraintError
 from .errors import (AutoParallelError, CaptureError, InfeasiblePlanError, InputMismatchError,
                      MeshMismatchError, PlanMismatchError, ShardingRuleError)
@@ -23,7 +24,7 @@ from .solver import CostModel, DevicePreset
 from .solver.costs import CollectiveTable, CommProfile
 from .validate import validate_plan
 
-__all__ = ["autoparallelize", "plan", "coverage", "compare", "Plan", "PlanOptions", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
+__all__ = ["autoparallelize", "plan", "coverage", "compare", "Plan", "PlanOptions", "Config", "ConfigError", "MeshSpec", "CostModel", "DevicePreset", "ParallelModule",
            "profile_mesh", "calibrate_device", "CommProfile", "CollectiveTable",
            "AutoParallelError", "CaptureError", "InfeasiblePlanError", "InputMismatchError",
            "MeshMismatchError", "PlanMismatchError", "ShardingRuleError", "validate_plan", "ConstraintError"]

@@ -26,6 +26,8 @@ from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
 
 PARALLELISM = ("auto", "data", "fsdp")
+CHECKPOINTING = ("auto", "off", "full")
+"""Activation checkpointing: recompute when the budget asks for it, never, or every stage."""
 RENAMED = {"share_blocks": "share_layers"}
 """Deprecated keyword → its name now (accepted with a DeprecationWarning)."""
 
@@ -52,7 +54,13 @@ class PlanOptions:
             cost model's preset capacity for :func:`~autoparallel.plan`, the real device's
             for :func:`~autoparallel.autoparallelize`); ``"unlimited"`` for no limit. The
             peak is modelled by :mod:`autoparallel.solver.memory`; when sharding alone does
-            not fit, activations are recomputed.
+            not fit, activations are recomputed (see ``checkpointing``).
+        checkpointing: activation checkpointing (recomputing activations in the backward):
+            ``"auto"``: only when no sharding alone fits ``memory_budget``, the regions Rotor's
+            schedule picks (:mod:`autoparallel.solver.remat`); ``"off"``: never (a budget no
+            sharding fits raises InfeasiblePlanError); ``"full"``: every stage of the repeated
+            layers (each sub-layer, e.g. ``attn``, ``mlp``) is a region, whatever the budget
+            (a model without two repeated layers has no stages: nothing is recomputed).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'
@@ -79,7 +87,7 @@ class PlanOptions:
 
     Raises (on construction):
         TypeError: an option of the wrong type (named, with the value given).
-        ValueError: an unknown ``solver``, ``parallelism``, ``optimizer``, ``outputs`` or ``inputs``; a
+        ValueError: an unknown ``solver``, ``parallelism``, ``checkpointing``, ``optimizer``, ``outputs`` or ``inputs``; a
             ``time_limit`` that is not positive and finite; an unreadable ``memory_budget``.
     """
 
@@ -91,6 +99,7 @@ class PlanOptions:
     share_layers: bool = True
     cache_dir: str | os.PathLike | bool | None = None
     memory_budget: int | float | str | None = None
+    checkpointing: str = "auto"
     optimizer: str = DEFAULT_OPTIMIZER
     device: str = "cpu"
     stamp_layers: bool = True
@@ -139,7 +148,8 @@ class PlanOptions:
                "share_layers": self.share_layers, "memory_budget": budget, "optimizer": self.optimizer,
                "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
                "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
-               "inputs": self.inputs}
+               "inputs": self.inputs,
+                "checkpointing": self.checkpointing}
 
 
 def _check(o: PlanOptions) -> None:
@@ -161,6 +171,8 @@ def _check(o: PlanOptions) -> None:
         raise TypeError(f"cache_dir must be a folder (str or path), None for the default or False for no cache, "
                         f"not {o.cache_dir!r}")
     _check_budget(o.memory_budget)
+    if o.checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be {', '.join(map(repr, CHECKPOINTING))}, not {o.checkpointing!r}")
     if o.optimizer not in OPTIMIZER_STATES:
         choices = ", ".join(map(repr, sorted(OPTIMIZER_STATES)))
         raise ValueError(f"optimizer must be one of {choices}, not {o.optimizer!r}")

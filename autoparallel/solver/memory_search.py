@@ -24,7 +24,7 @@ from .ilp import ILPSolution, solve
 from .memory import MemoryModel
 from .problem import GroupedProblem
 from .remat import build_chain, checkpoint_plan
-from .rotor import InfeasibleBudget, solve as rotor_solve
+from .rotor import InfeasibleBudget, checkpoint_every_stage, solve as rotor_solve
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,36 @@ class MemorySearch:
             f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
             f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes); without "
             f"recomputation {self.memory.dominant(choice)}. Raise the budget, use more devices or a smaller batch")
+
+    def full(self, stages, found, budget: int | None, plan_of: Callable[[dict], Plan],
+             forward_s: Callable[[fx.Node, Strategy], float]):
+        """Full activation checkpointing (``checkpointing="full"``): every stage of the chain its
+        own region (:func:`~autoparallel.solver.rotor.checkpoint_every_stage`), on ``found`` (the
+        stage-1 plan within ``budget``) or, when none fits without recomputation, the fastest plan.
+
+        Returns:
+            as :meth:`two_stage`.
+
+        Raises:
+            InfeasiblePlanError: the modelled peak with every stage recomputed is over ``budget``.
+        """
+        if found is None:
+            self.built.ilp.memory_rows.clear()
+            found = self.stage1(None)
+        choice = found[0]
+        plan = plan_of(choice)
+        fwd = {n.name: forward_s(n, choice[n]) for n in stages if n in choice}
+        chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
+        schedule = checkpoint_every_stage(chain)
+        peak = fixed + int(schedule.peak_bytes)
+        if budget is not None and peak > budget:
+            raise InfeasiblePlanError(
+                f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device with checkpointing='full': "
+                f"recomputing every stage the peak is about {peak / 2**30:.3g} GiB ({peak} bytes). Raise the "
+                "budget, use more devices or a smaller batch")
+        log.info("activation checkpointing (full): %d regions, %.3g s recomputed", len(schedule.regions),
+                 schedule.recompute_time)
+        return found, plan, (checkpoint_plan(chain, schedule, stages), peak)
 
     def memory_row(self, t: int) -> list[list[float]]:
         """Bytes held at step ``t``, per ILP group and group strategy (linear:

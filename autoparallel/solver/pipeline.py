@@ -77,7 +77,8 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
     planner = _planner(traced, mesh, options, cost_model, strategies, gen.aliases)
     t_memory = time.perf_counter() - t1
     progress.stage("costs and ILP solve")
-    plan = planner.solve(solver=options.solver, time_limit=options.time_limit, memory_budget=budget)
+    plan = planner.solve(solver=options.solver, time_limit=options.time_limit, memory_budget=budget,
+                         checkpointing=options.checkpointing)
     plan.estimate = replace(plan.estimate, costs=cost_model.describe())
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",

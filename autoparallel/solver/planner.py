@@ -102,16 +102,19 @@ class Planner:
         return True
 
     def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
-              checkpointing: bool = True, max_rounds: int = 12, inspect: bool = True,
+              checkpointing: str = "auto", max_rounds: int = 12, inspect: bool = True,
               built: GroupedProblem | None = None) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
 
         Stage 1: the fastest plan; when its modelled peak is over budget, the memory at the
         steps where plans peak is priced into the objective (Lagrangian relaxation, at most
         ``max_rounds`` solves: :meth:`~.memory_search.MemorySearch.stage1`) until the fastest
-        fitting plan is found. When no sharding alone fits and ``checkpointing`` is on, stage 2 (:mod:`.remat`) picks
-        activations to recompute on the plan of stage 1, re-solving stage 1 with a tighter
-        allowance a bounded number of times until the recomputation schedule fits. ``inspect``
+        fitting plan is found. When no sharding alone fits and ``checkpointing`` is ``"auto"``, stage 2
+        (:mod:`.remat`) picks activations to recompute on the plan of stage 1, re-solving stage 1 with a
+        tighter allowance a bounded number of times until the recomputation schedule fits; ``"off"``
+        raises instead; ``"full"`` recomputes every stage of the chain on the stage-1 plan (the fastest
+        fitting one, else the fastest) and raises when even that is over budget
+        (:meth:`~.memory_search.MemorySearch.full`). ``inspect``
         records what the summary, explain and plot read (``plan.inspection``: :meth:`_inspectable`;
         about a tenth of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
         ``built``: this planner's :meth:`build_problem`, when the caller already built it.
@@ -131,8 +134,12 @@ class Planner:
         found = search.stage1(memory_budget)
         t_stage1 = time.perf_counter() - t1
         checkpoint = plan = None
-        if found is None:
-            stages = chain_stages(self.memory.nodes) if checkpointing else {}
+        full_stages = chain_stages(self.memory.nodes) if checkpointing == "full" and self.memory is not None else {}
+        if full_stages:
+            found, plan, checkpoint = search.full(full_stages, found, memory_budget,
+                                                  lambda c: self.make_plan(c, built.edges), self._forward_s)
+        elif found is None:
+            stages = chain_stages(self.memory.nodes) if checkpointing == "auto" else {}
             if not stages:
                 raise InfeasiblePlanError(search.budget_message(memory_budget))
             found, plan, checkpoint = search.two_stage(stages, memory_budget, lambda c: self.make_plan(c, built.edges),
