@@ -1,7 +1,7 @@
 """The Lightning strategy (autoparallel.lightning): a LightningModule whose MLP the plan shards
 trains on 2 gloo processes as on one device, step by step (loss, gradient clipping by norm,
 SGD with momentum), validates, saves a checkpoint of either kind and resumes from it with the
-losses the single-device run continues with; Lightning's own spawn launcher runs it too and
+losses the single-device run continues with, and accumulates gradients over micro-batches; Lightning's own spawn launcher runs it too and
 hands the trained weights back to the main process. ``import autoparallel`` does not import
 lightning."""
 
@@ -103,6 +103,18 @@ def _reference(epochs):
     return losses, norms, models_after
 
 
+def _accumulated_reference():
+    """The single-device model after one SGD step on the gradient of epoch 0's batches
+    accumulated, as ``accumulate_grad_batches`` takes it (each loss divided by their number)."""
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for x, y in _global_batches(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH, 0):
+        (model(x, y) / STEPS_PER_EPOCH).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    return model
+
+
 def _strategy(**kwargs):
     import models
 
@@ -172,6 +184,12 @@ def _checks(rank, folder):
         for (name, p), q in zip(resumed.model.named_parameters(), after[1].parameters()):
             _close(f"{name} after epoch 2 resumed from the {kind} checkpoint", p.detach(), q.detach())
 
+    accumulated = Regression(_mlp(0))  # the strategy's block_backward_sync: the modules' no_sync
+    _trainer(_strategy(), epochs=1, accumulate_grad_batches=STEPS_PER_EPOCH).fit(
+        accumulated, _loader(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH))
+    for (name, p), q in zip(accumulated.model.named_parameters(), _accumulated_reference().parameters()):
+        _close(f"{name} after a step on {STEPS_PER_EPOCH} accumulated batches", p.detach(), q.detach())
+
 
 @pytest.mark.multiprocess
 def test_fit_validate_clip_checkpoint_resume_on_gloo_ranks(tmp_path):
@@ -184,7 +202,6 @@ def test_spawn_launcher_returns_the_trained_weights_whole():
     after ``fit`` the main process's LightningModule (never parallelized) holds the trained weights."""
     _, _, after = _reference(epochs=1)
     lm = Regression(_mlp(0))
-    torch.set_num_threads(1)
     _trainer(_strategy(start_method="spawn"), epochs=1).fit(lm, _loader(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH))
     assert type(lm.model).__name__ == "MLP"
     for (name, p), q in zip(lm.model.named_parameters(), after[0].parameters()):
