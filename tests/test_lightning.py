@@ -1,9 +1,9 @@
 """The Lightning strategy (autoparallel.lightning): a LightningModule whose MLP the plan shards
 trains on 2 gloo processes as on one device, step by step (loss, gradient clipping by norm,
-SGD with momentum), validates, saves a checkpoint of either kind and resumes from it with the
-losses the single-device run continues with, and accumulates gradients over micro-batches; Lightning's own spawn launcher runs it too and
-hands the trained weights back to the main process. ``import autoparallel`` does not import
-lightning."""
+SGD with momentum), validates, saves a checkpoint of either kind and resumes from it (the whole
+one onto another plan) with the losses the single-device run continues with, and accumulates
+gradients over micro-batches; Lightning's own spawn launcher runs it too and hands the trained
+weights back to the main process. ``import autoparallel`` does not import lightning."""
 
 from __future__ import annotations
 
@@ -176,10 +176,12 @@ def _checks(rank, folder):
     for (name, p), q in zip(plain.model.named_parameters(), after[0].parameters()):
         _close(f"{name} loaded on one device", p.detach(), q.detach())
 
-    for kind, path in (("sharded", sharded), ("whole", whole)):
+    # the whole checkpoint resumes onto another plan: data parallelism, plain tensors
+    for kind, path, options in (("sharded", sharded, {}), ("whole", whole, {"parallelism": "data"})):
         resumed = Regression(_mlp(1))  # other weights: the checkpoint's must replace them
-        _trainer(_strategy(save_distributed_checkpoint=kind == "sharded"), epochs=2).fit(
+        _trainer(_strategy(save_distributed_checkpoint=kind == "sharded", **options), epochs=2).fit(
             resumed, _loader(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH), ckpt_path=path)
+        assert resumed.model.holds_dtensors == (kind == "sharded")
         _losses(f"epoch 2 losses resumed from the {kind} checkpoint", resumed.losses, want[STEPS_PER_EPOCH:])
         for (name, p), q in zip(resumed.model.named_parameters(), after[1].parameters()):
             _close(f"{name} after epoch 2 resumed from the {kind} checkpoint", p.detach(), q.detach())
