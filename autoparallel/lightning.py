@@ -78,7 +78,10 @@ class AutoParallelStrategy(ModelParallelStrategy):
         autoparallel_options: any keyword of :func:`autoparallel.autoparallelize` and
             :class:`autoparallel.PlanOptions` (``memory_budget="12GiB"``, ``cost_model=``,
             ``mp_policy=``, ``replan=``, ``plan=``, ...); ``inputs`` defaults to ``"local"``
-            (Lightning's DistributedSampler gives every rank its own batch).
+            (Lightning's DistributedSampler gives every rank its own batch), unless given as
+            a keyword, by ``options=PlanOptions(...)`` (whose own default is ``"global"``) or by
+            a ``plan``; under ``"global"`` every rank draws the same batch, of ``meta_inputs``'
+            shapes.
 
     Raises (in ``Trainer.fit``/``validate``):
         AttributeError: the LightningModule has no submodule ``module``.
@@ -102,21 +105,28 @@ class AutoParallelStrategy(ModelParallelStrategy):
         self._mesh_shape = (mesh_shape,) if isinstance(mesh_shape, int) else mesh_shape
         self._mesh_dim_names = mesh_dim_names
         self._start_method = start_method
-        self._autoparallel_options = {"inputs": "local", **autoparallel_options}
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's connector for strategies it does not list: inject a
-        DistributedSampler."""
-        return True
+        if "inputs" not in autoparallel_options and autoparallel_options.get("options") is None:
+            autoparallel_options["inputs"] = "local"  # else the keyword or the PlanOptions says
+        self._autoparallel_options = autoparallel_options
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Under ``inputs="local"`` every rank draws its own batch (the global batch is the
         ranks' batches in rank order); under ``inputs="global"`` every rank draws the same one."""
-        if self._autoparallel_options["inputs"] == "global":
+        if self._inputs() == "global":
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _inputs(self) -> str:
+        """The ``inputs`` the module is planned for: a given ``plan``'s, else the keyword, else
+        ``options``'."""
+        opts = self._autoparallel_options
+        plan = opts.get("plan")
+        if plan is not None:
+            from .plan import Plan
+
+            return (Plan.from_json(plan) if isinstance(plan, str) else plan).inputs
+        return opts["inputs"] if "inputs" in opts else opts["options"].inputs
 
     @property
     def parallel_module(self) -> ParallelModule:
