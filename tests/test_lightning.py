@@ -2,8 +2,8 @@
 trains on 2 gloo processes as on one device, step by step (loss, gradient clipping by norm,
 SGD with momentum), validates, saves a checkpoint of either kind and resumes from it (the whole
 one onto another plan) with the losses the single-device run continues with, and accumulates
-gradients over micro-batches; Lightning's own spawn launcher runs it too and hands the trained
-weights back to the main process. ``import autoparallel`` does not import lightning."""
+gradients over micro-batches; Lightning's own multiprocessing launcher runs it too and hands the
+trained weights back to the main process. ``import autoparallel`` does not import lightning."""
 
 from __future__ import annotations
 
@@ -199,12 +199,14 @@ def test_fit_validate_clip_checkpoint_resume_on_gloo_ranks(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_spawn_launcher_returns_the_trained_weights_whole():
-    """``start_method="spawn"``: Lightning's launcher starts the processes and the process group;
-    after ``fit`` the main process's LightningModule (never parallelized) holds the trained weights."""
+def test_multiprocessing_launcher_returns_the_trained_weights_whole():
+    """``start_method="fork"`` (``"spawn"`` is the same launcher, Lightning's
+    ``_MultiProcessingLauncher``, whose children re-import torch and lightning: 25 s more here):
+    the launcher starts the processes and the process group; after ``fit`` the main process's
+    LightningModule (never parallelized) holds the trained weights."""
     _, _, after = _reference(epochs=1)
     lm = Regression(_mlp(0))
-    _trainer(_strategy(start_method="spawn"), epochs=1).fit(lm, _loader(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH))
+    _trainer(_strategy(start_method="fork"), epochs=1).fit(lm, _loader(1, WORLD * LOCAL_BATCH * STEPS_PER_EPOCH))
     assert type(lm.model).__name__ == "MLP"
     for (name, p), q in zip(lm.model.named_parameters(), after[0].parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
