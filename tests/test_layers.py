@@ -19,7 +19,7 @@ LAYERS = [
     ("planning", {"solver", "options", "validate", "cache", "recipes", "profile"}),
     ("lowering", {"passes"}),
     ("module", {"codegen"}),
-    ("facade", {"api", "config", "demo", "cli", "__init__", "__main__"}),
+    ("facade", {"api", "config", "demo", "cli", "lightning", "__init__", "__main__"}),
 ]
 VIEWS = {"summary", "explain", "plot"}
 """Readers of a Plan: the solver package computes what they show and imports none of them."""
