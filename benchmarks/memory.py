@@ -89,7 +89,8 @@ def _measure(model, batch, ranks=None) -> int:
     opt = torch.optim.AdamW(model.parameters())
 
     def step():
-        model(**batch).loss.backward()
+        out = model(**batch)  # held through the backward, as a loop that reads out.logits holds it: the
+        out.loss.backward()   # memory model counts the returned values live to the end of the step
 
     step()
     opt.step()

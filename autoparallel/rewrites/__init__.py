@@ -39,3 +39,12 @@ def saved_size(saver: fx.Node, operand: fx.Node | None, shape: tuple[int, ...], 
     for r in REWRITES:
         size = r.saved_size(saver, operand, shape, size)
     return size
+
+
+def gradient_size(saver: fx.Node, size: Size) -> Size:
+    """The per-device bytes the backward of captured node ``saver`` holds for the gradient of
+    a tensor it saved of its own, in the rewritten graph: ``size`` passed through every
+    rewrite's :meth:`Rewrite.gradient_size`."""
+    for r in REWRITES:
+        size = r.gradient_size(saver, size)
+    return size

@@ -39,6 +39,12 @@ class Rewrite(ABC):
         ``size`` is what the memory model counts without this rewrite; return it where the
         rewrite does not change it."""
 
+    def gradient_size(self, saver: fx.Node, size: Size) -> Size:
+        """The per-device bytes of the buffer captured node ``saver``'s backward holds for the
+        gradient of a floating tensor it saved of its own (``size``: the memory model's count
+        for autograd's backward; return it where the rewrite does not change that)."""
+        return size
+
     @abstractmethod
     def apply(self, graph: fx.Graph, source_graph: fx.Graph, plan) -> int:
         """Rewrite ``graph`` in place: a per-device graph whose nodes name their captured node in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from ..graph import op_args
 from ..runtime_kernels.cross_entropy import cross_entropy_loss
@@ -28,9 +29,8 @@ class OnePassCrossEntropy(Rewrite):
     ``exp(log_softmax) · g`` with ``g`` subtracted at each target, equals autograd's up to
     rounding (the kernel's docstring). The plan and its collectives are unchanged.
 
-    Memory: the kernel's backward holds one logits-sized buffer instead of two; the model keeps
-    counting autograd's (an overestimate of one logits-sized buffer at the loss's backward step,
-    docs/design.md, "A margin over DDP from the graph").
+    Memory: the kernel's backward holds one logits-sized buffer (the logits' gradient) instead
+    of two: autograd's gradient of the saved log-softmax is not made (:meth:`gradient_size`).
     """
 
     name = "cross_entropy"
@@ -45,8 +45,15 @@ class OnePassCrossEntropy(Rewrite):
                 and isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int64)
 
     def saved_size(self, saver: fx.Node, operand: fx.Node | None, shape: tuple[int, ...], size: Size) -> Size:
-        """Unchanged: the overestimate the class docstring names."""
+        """Unchanged: the kernel saves the log-softmax as autograd does."""
         return size
+
+    def gradient_size(self, saver: fx.Node, size: Size) -> Size:
+        """Nothing where the strategy keeps the classes whole (the kernel runs): its backward
+        writes the logits' gradient directly, with no buffer for the log-softmax's."""
+        if not self.applies(saver):
+            return size
+        return lambda s: size(s) if any(isinstance(p, Shard) and p.dim == 1 for p in s.inputs[0]) else 0
 
     def apply(self, graph: fx.Graph, source_graph: fx.Graph, plan) -> int:
         traced_nodes = {n.name: n for n in source_graph.nodes}

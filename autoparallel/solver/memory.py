@@ -469,7 +469,7 @@ class MemoryModel:
                 size = rewrites.saved_size(n, None, rec.shape, self._internal_size(n, rec.nbytes, rec.shape))
                 items.append(Item("activations", n, start, end, size))
                 if rec.floating and node_info(n).requires_grad:  # its gradient, inside the op's backward
-                    items.append(Item("temporaries", n, end, end, size))
+                    items.append(Item("temporaries", n, end, end, rewrites.gradient_size(n, size)))
                 continue
             u, i = rec.value
             if u.op == "get_attr":  # the parameter itself; its gathered copy when the saver sees one
