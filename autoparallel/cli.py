@@ -13,7 +13,7 @@ Examples::
     python -m autoparallel plan --model gpt2 --mesh 2x2 --axes dp,tp --constraint 'lm_head.weight=S0(tp)' \\
         --compare --report out/
 
-``plan`` prints the plan's summary (``str(plan)``); ``--table`` the per-node table;
+``plan`` prints the plan's summary (``str(plan)``); ``--table`` the per-module table;
 ``--compare`` the plan beside data parallelism and the hand-written recipes
 (:func:`autoparallel.compare`); ``--report DIR`` writes ``summary.txt``, ``table.txt``,
 ``plan.json`` and ``plan.png`` (:meth:`Plan.plot <autoparallel.plan.Plan.plot>`, needs the
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             p.add_argument("--constraint", action="append", default=[], metavar="PATTERN=PLACEMENTS",
                            help="pin tensors matching PATTERN, e.g. 'lm_head.weight=S0(tp)' (repeatable)")
             p.add_argument("--compare", action="store_true", help="also price DDP, FSDP, Megatron TP, FSDP + TP")
-            p.add_argument("--table", action="store_true", help="print the per-node table, not the summary")
+            p.add_argument("--table", action="store_true", help="print the per-module table, not the summary")
             p.add_argument("--report", metavar="DIR", help="write summary.txt, table.txt, plan.json, plan.png")
     args = ap.parse_args(argv)
     if getattr(args, "verbose", False):
