@@ -33,8 +33,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -x -n 2 -m "not slow and not multiprocess" --durations=10
 
+# OMP_NUM_THREADS set: torchrun prints a banner when it sets it itself (each rank uses one thread anyway)
 demo: $(STAMP)
-	.venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt2.py
 
 # examples/train.py on 2 gloo processes: 20 steps of a tiny GPT-2, a checkpoint at step 10, then resumed from it
 train-example: $(STAMP)

@@ -21,7 +21,7 @@ Examples::
     python -m autoparallel coverage --model bert
     python -m autoparallel train --model gpt2 --layers 2 --hidden 64 --mesh 2 --steps 20
 
-``plan`` prints the plan's summary (``--table``: the per-node table; ``--compare``: also the
+``plan`` prints the plan's summary (``--table``: the per-module table; ``--compare``: also the
 plan beside DDP, FSDP, Megatron TP and FSDP + TP, :func:`autoparallel.compare`; ``--report
 DIR``: writes ``summary.txt``, ``table.txt``, ``plan.json`` and ``plan.png`` into ``DIR``).
 ``compare`` is ``plan --compare``; ``report DIR`` is ``plan --report DIR``. ``train`` runs

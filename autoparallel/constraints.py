@@ -58,6 +58,7 @@ each part.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -279,7 +280,7 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
 
     Raises:
         ConstraintError: bad placements (:func:`as_spec`), a pattern matching nothing (the
-            message lists a few names it could match), or a tensor two patterns pin
+            message names the closest names and layer globs), or a tensor two patterns pin
             differently.
         TypeError: ``constraints`` is not a mapping of string patterns.
     """
@@ -292,7 +293,7 @@ def resolve(constraints: Mapping[str, object], traced, mesh: MeshSpec) -> list[P
         hits = [t for t in all_targets if any(fnmatch.fnmatchcase(n, pattern) for n in t.names)]
         if not hits:
             raise ConstraintError(f"constraint {pattern!r} matches no parameter, buffer, module, input or output "
-                                  f"name; some names: {_examples(all_targets)}")
+                                  f"name; {_closest(pattern, all_targets)}")
         for t in hits:
             _check_legal(pattern, t, spec, use, mesh)
             key = (t.kind == "input", t.node)
@@ -332,11 +333,21 @@ def _stored_and_used(value, mesh: MeshSpec, pattern: str) -> tuple[Spec, Spec | 
     return as_spec(value, mesh, pattern), None
 
 
-def _examples(all_targets: list[Target]) -> str:
-    seen = {}
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def _closest(pattern: str, all_targets: list[Target], n: int = 3) -> str:
+    """``"closest: 'lm_head.weight', ..."``: the ``n`` names (or their layer globs, ``h.*.attn``)
+    nearest ``pattern`` (:func:`difflib.get_close_matches`); else one example name per kind."""
+    names = {name for t in all_targets for name in t.names}
+    candidates = sorted(names | {_LAYER_INDEX.sub("*", name) for name in names})
+    close = difflib.get_close_matches(pattern, candidates, n=n, cutoff=0.6)
+    if close:
+        return "closest: " + ", ".join(repr(c) for c in close)
+    seen: dict[str, str] = {}
     for t in all_targets:
         seen.setdefault(t.kind, t.names[0])
-    return ", ".join(f"{k} {v!r}" for k, v in seen.items())
+    return "nothing close; for example " + ", ".join(f"{k} {v!r}" for k, v in seen.items())
 
 
 def cache_key(pinned: list[Pinned]) -> dict[str, list]:

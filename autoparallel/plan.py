@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from tabulate import tabulate
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
@@ -345,55 +344,38 @@ class Plan:
         (:func:`holds_dtensors`)."""
         return holds_dtensors(self.param_placements)
 
-    def table(self, all_nodes: bool = False) -> str:
-        """The plan as a text table, one row per node, placements in the named notation
-        (:func:`autoparallel.placement.format_spec`); bookkeeping nodes with no cost are left
-        out unless ``all_nodes``."""
-        from .summary import named_specs
+    def table(self, by: str = "module", all_nodes: bool = False) -> str:
+        """The plan as a text table (:mod:`autoparallel.table`): one row per module with the
+        parameters it holds, their placements, and its compute and communication seconds and
+        memory bytes per device; ``by="node"`` one row per ATen node with its input and output
+        placements (bookkeeping nodes with no cost only with ``all_nodes``).
 
-        rows = []
-        for n in self.nodes.values():
-            if not all_nodes and n.op in ("placeholder", "getitem") and not n.comm_s:
-                continue
-            rows.append([n.name, n.op, n.module_path, named_specs(self, n.input_specs, n.output_specs),
-                         f"{n.compute_s:.3g}", f"{n.comm_s:.3g}",
-                         n.memory_bytes])
-        hdr = ["node", "op", "module", "input specs → output spec", "compute s", "comm s", "memory B"]
-        est = self.estimate
-        foot = (f"mesh {self.mesh.shape}: estimated step {est.step_time_s:.4g} s "
-                f"(compute {est.compute_s:.4g} s"
-                + (f" with the optimizer step {est.optimizer_s:.4g} s" if est.optimizer_s else "")
-                + f", communication {est.comm_s:.4g} s), "
-                f"peak memory {(est.peak_memory_bytes or 0) / 2**20:.1f} MiB per device; "
-                f"{len(self.collectives)} forward collectives"
-                + (f"; priced by {est.costs}" if est.costs else "")
-                + (f"; {precision.describe(self.mp_policy)}" if self.mp_policy is not None else "")
-                + ("; inputs: each rank its own batch" if self.inputs == "local" else ""))
-        out = tabulate(rows, hdr, tablefmt="simple") + "\n" + foot
-        if self.checkpoint:
-            regions = [[r.stages, r.modules, r.nodes, f"{r.saved_bytes / 2**20:.1f}", f"{r.recompute_s:.3g}"]
-                       for r in self.checkpoint.table]
-            out += "\n\nactivation checkpointing (recomputed in backward):\n" + tabulate(
-                regions, ["stages", "modules", "nodes", "memory saved MiB", "recompute s"], tablefmt="simple")
-        return out
+        Raises:
+            ValueError: an unknown ``by``, or ``all_nodes`` without ``by="node"``.
+        """
+        from .table import table
+
+        return table(self, by, all_nodes)
 
     def __str__(self) -> str:
-        """The one-screen summary (:mod:`autoparallel.summary`); :meth:`table` lists every node."""
+        """The one-screen summary (:mod:`autoparallel.summary`); :meth:`table` lists every module."""
         from .summary import summary
 
         return summary(self)
 
-    def explain(self, name: str) -> str:
+    def explain(self, name: str, nodes: bool = False) -> str:
         """Why ``name`` (a parameter or buffer name, a module path or a node) is placed as it
         is: its chosen strategy and the next best alternatives with their differences in
-        compute, communication and memory (definition: :mod:`autoparallel.explain`).
+        compute and communication (seconds) and memory (bytes per device); for a module, one
+        line per parameter it holds and per direct submodule, or with ``nodes`` every node it
+        runs itself (definition: :mod:`autoparallel.explain`).
 
         Raises:
             KeyError: ``name`` designates nothing in the plan.
         """
         from .explain import explain
 
-        return explain(self, name)
+        return explain(self, name, nodes)
 
     def plot(self, path) -> list[str]:
         """Write the plan's pictures (:func:`autoparallel.plot.plot`: per-layer step time and

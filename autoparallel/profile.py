@@ -532,7 +532,7 @@ def _slowest_rank(mine: DevicePreset, device: torch.device) -> DevicePreset:
               "step_efficiency")
     mine_row = torch.tensor([float(getattr(mine, f)) for f in fields], dtype=torch.float64, device=device)
     rows = torch.empty(dist.get_world_size() * len(fields), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(rows, mine_row)
+    dist.all_gather_single(rows, mine_row)
     rows = rows.view(-1, len(fields))
     slowest = rows[int(torch.argmin(rows[:, 0] * rows[:, -1]))].tolist()
     return dataclasses.replace(mine, **dict(zip(fields, slowest)))

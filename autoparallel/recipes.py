@@ -63,6 +63,7 @@ from .solver.ilp import fold_edges
 from .graph import layer_of
 from .mesh import MeshSpec
 from .placement import R
+from . import units
 from .summary import fold
 
 aten = torch.ops.aten
@@ -385,7 +386,7 @@ class Comparison:
         return min(done, key=lambda r: r.plan.estimate.step_time_s) if done else None
 
     def __str__(self) -> str:
-        from .summary import _columns, _gib, _s, step_parts
+        from .summary import columns, step_parts
 
         base = self.plan.estimate.step_time_s
         table = [("", "step", "vs plan", "compute", "exposed comm", "recompute", "peak memory")]
@@ -397,8 +398,8 @@ class Comparison:
                 continue
             step, compute, comm, recompute = step_parts(r.plan)
             peak = r.plan.estimate.peak_memory_bytes
-            table.append((r.name, _s(step), f"{step / base:.2f}x", _s(compute), _s(comm), _s(recompute),
-                          _gib(peak) if peak is not None else "?"))
+            table.append((r.name, units.seconds(step), f"{step / base:.2f}x", units.seconds(compute),
+                          units.seconds(comm), units.seconds(recompute), units.nbytes(peak) if peak is not None else "?"))
             notes += [f"  {r.name}: {n}" for n in r.notes]
         m = self.mesh
         head = (f"the plan vs hand-written recipes on {' × '.join(f'{n} ({a})' for a, n in zip(m.axis_names, m.shape))}, "
@@ -406,7 +407,7 @@ class Comparison:
         best = self.best_recipe()
         step = best.plan.estimate.step_time_s if best else 0.0
         tail = [f"best recipe: {best.name}, {step / base:.2f}x the plan's step"] if best else []
-        return "\n".join([head, _columns(table)] + notes + tail)
+        return "\n".join([head, columns(table)] + notes + tail)
 
 
 def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limit: float,
@@ -454,8 +455,8 @@ def price(traced, mesh: MeshSpec, planner, strategies, *, solver: str, time_limi
     fastest = math.inf
     for _, bound, r, sub, built, pins in sorted(ready, key=lambda x: x[:2]):
         if not every and r.name != "DDP" and bound > fastest * (1 + 1e-9):
-            rows[r.name] = Row(r.name, None, f"not planned: its step is at least {bound:.4g} s, more than the "
-                                             f"fastest recipe's {fastest:.4g} s", r.notes, bound)
+            rows[r.name] = Row(r.name, None, f"not planned: its step is at least {units.seconds(bound)}, more "
+                                             f"than the fastest recipe's {units.seconds(fastest)}", r.notes, bound)
             continue
         try:
             p = sub.solve(solver=solver, time_limit=time_limit, memory_budget=memory_budget, inspect=False,
@@ -482,8 +483,8 @@ def _restricted_problem(planner, strategies, pins, mesh: MeshSpec, memory_budget
     restrict(narrowed, planner.aliases, pins, mesh.axis_names)
     floor = resident_floor(planner.memory, narrowed) if planner.memory is not None else 0
     if memory_budget is not None and floor > memory_budget:
-        raise InfeasiblePlanError(f"parameters and optimizer states alone take {floor / 2**30:.3g} GiB per "
-                                  f"device, over the {memory_budget / 2**30:.3g} GiB budget")
+        raise InfeasiblePlanError(f"parameters and optimizer states alone take {units.nbytes(floor)} per "
+                                  f"device, over the {units.nbytes(memory_budget)} budget")
     sub = planner.restricted(narrowed)
     return sub, sub.build_problem()
 

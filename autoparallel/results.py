@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 
+from . import units
 from .jsonfields import _check, _fields, _is_count, _is_number
 
 
@@ -41,7 +42,7 @@ class MemoryBreakdown:
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
     def __repr__(self) -> str:
-        return f"MemoryBreakdown({', '.join(f'{k}={v}' for k, v in self.items() if v)})"
+        return f"MemoryBreakdown({', '.join(f'{k}={units.nbytes(v)}' for k, v in self.items() if v)})"
 
     @classmethod
     def from_json(cls, d) -> "MemoryBreakdown":
@@ -67,6 +68,10 @@ class MemoryPeak:
     peak_step: int
     steps: int
     breakdown: MemoryBreakdown
+
+    def __repr__(self) -> str:
+        return (f"MemoryPeak(peak_bytes={units.nbytes(self.peak_bytes)}, peak_step={self.peak_step}, "
+                f"steps={self.steps}, breakdown={self.breakdown!r})")
 
     @property
     def phase(self) -> str:
@@ -123,13 +128,17 @@ class Estimate:
     costs: str = ""
 
     def __repr__(self) -> str:
-        def g(name):
-            return f"{name}={getattr(self, name):.4g}"
+        def t(name):
+            return f"{name}={units.seconds(getattr(self, name))}"
 
-        return (f"Estimate({g('step_time_s')}, {g('compute_s')}, {g('comm_s')}, {g('recompute_s')},\n"
-                f"         {g('optimizer_s')}, {g('grad_comm_s')}, {g('exposed_grad_comm_s')},\n"
-                f"         peak_memory_bytes={self.peak_memory_bytes}, memory_budget_bytes={self.memory_budget_bytes}, "
-                f"costs={self.costs!r},\n         memory={self.memory!r})")
+        def b(name):
+            v = getattr(self, name)
+            return f"{name}={units.nbytes(v) if v is not None else None}"
+
+        return (f"Estimate({t('step_time_s')}, {t('compute_s')}, {t('comm_s')}, {t('recompute_s')},\n"
+                f"         {t('optimizer_s')}, {t('grad_comm_s')}, {t('exposed_grad_comm_s')},\n"
+                f"         {b('peak_memory_bytes')}, {b('memory_budget_bytes')}, costs={self.costs!r},\n"
+                f"         memory={self.memory!r})")
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -27,6 +27,7 @@ import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Sequence
 
+from . import units
 from .placement import format_spec
 from .placement import Spec
 
@@ -51,6 +52,16 @@ def named_specs(plan: "Plan", inputs: Sequence[Spec], outputs: Sequence[Spec]) -
     return f"{ins} → {outs}" if ins else outs
 
 
+def node_module(plan: "Plan", node) -> str:
+    """The module path ``node`` (a :class:`~autoparallel.plan.NodePlan`) belongs to: its own,
+    or for a parameter or buffer (a ``get_attr``) the module holding it (its first name's)."""
+    if node.op == "get_attr":
+        names = plan.inspection.state_nodes.get(node.name)
+        if names:
+            return names[0].rpartition(".")[0]
+    return node.module_path
+
+
 def fold(name: str) -> tuple[str, int | None]:
     """``("transformer.h.{}.attn.c_attn.weight", 3)`` for ``transformer.h.3.attn.c_attn.weight``:
     the name with its outermost layer index taken out, and the index (``None`` outside layers)."""
@@ -72,14 +83,6 @@ def ranges(indices) -> str:
             out.append(str(start) if start == a else f"{start}..{a}")
             start = b
     return ",".join(out)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.4g} MiB"
-
-
-def _s(t: float) -> str:
-    return f"{t:.4g} s" if t >= 1e-2 else f"{t * 1e3:.4g} ms"
 
 
 def _axes(plan: "Plan", axes) -> str:
@@ -113,12 +116,12 @@ def step_parts(plan: "Plan") -> tuple[float, float, float, float]:
 def _step(plan: "Plan") -> str:
     step, compute, comm, recompute = step_parts(plan)
     optimizer = plan.estimate.optimizer_s
-    line = (f"estimated step {_s(step)} = compute {_s(compute)}"
-            + (f" (optimizer step {_s(optimizer)})" if optimizer else "")
-            + f" + exposed communication {_s(comm)}" + (f" + recomputation {_s(recompute)}" if recompute else ""))
+    line = (f"estimated step {units.seconds(step)} = compute {units.seconds(compute)}"
+            + (f" (optimizer step {units.seconds(optimizer)})" if optimizer else "")
+            + f" + exposed communication {units.seconds(comm)}" + (f" + recomputation {units.seconds(recompute)}" if recompute else ""))
     grad = plan.estimate.grad_comm_s
     if grad:
-        line += f" (gradient reduction {_s(grad)}, {_s(plan.estimate.exposed_grad_comm_s)} exposed)"
+        line += f" (gradient reduction {units.seconds(grad)}, {units.seconds(plan.estimate.exposed_grad_comm_s)} exposed)"
     return line
 
 
@@ -128,11 +131,11 @@ def _memory(plan: "Plan") -> str:
     if mem is None or peak is None:
         return ""
     budget = plan.estimate.memory_budget_bytes
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.breakdown.items() if v)
-    line = f"peak memory {_gib(peak)} per device" + (f" of a {_gib(budget)} budget" if budget else " (no budget)")
+    parts = ", ".join(f"{k} {units.nbytes(v)}" for k, v in mem.breakdown.items() if v)
+    line = f"peak memory {units.nbytes(peak)} per device" + (f" of a {units.nbytes(budget)} budget" if budget else " (no budget)")
     line += f", in the {mem.phase}: {parts}"
     if plan.checkpoint:
-        line += f" (before recomputation {_gib(mem.peak_bytes)})"
+        line += f" (before recomputation {units.nbytes(mem.peak_bytes)})"
     return line
 
 
@@ -145,8 +148,8 @@ def _compared(plan: "Plan") -> str:
     step = plan.estimate.step_time_s
 
     def priced(name: str, b: dict) -> str:
-        extra = f", recomputing {_s(b['recompute_s'])}" if b.get("recompute_s") else ""
-        return f"{name} {_s(b['step_time_s'])} ({b['step_time_s'] / step:.2f}x{extra})" if step else name
+        extra = f", recomputing {units.seconds(b['recompute_s'])}" if b.get("recompute_s") else ""
+        return f"{name} {units.seconds(b['step_time_s'])} ({b['step_time_s'] / step:.2f}x{extra})" if step else name
 
     done = {n: b for n, b in base.items() if "step_time_s" in b}
     best = min(done, key=lambda n: done[n]["step_time_s"]) if done else None
@@ -261,10 +264,10 @@ def _parameters(plan: "Plan") -> str:
             shown += f" (= {', '.join(t.format('{' + ranges(idx) + '}') if idx else t for t in tied)})"
         rows.append((shown, str(list(shape)), spec, use))
     return (f"parameters and buffers ({len(plan.inspection.state_nodes)} tensors, {len(rows)} kinds):\n"
-            + _columns([("name", "shape", "placement", "use in compute")] + rows))
+            + columns([("name", "shape", "placement", "use in compute")] + rows))
 
 
-def _columns(rows: list[tuple[str, ...]]) -> str:
+def columns(rows: list[tuple[str, ...]]) -> str:
     """Rows as left-aligned columns, two spaces apart, indented by two."""
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  " + "  ".join(f"{c:<{w[i]}}" for i, c in enumerate(r)).rstrip() for r in rows)
@@ -325,8 +328,8 @@ def _collective_rows(plan: "Plan", title: str, in_module, is_param) -> str:
                 add("all_reduce", a, node.memory_bytes // 2, "backward: parameter gradients")
     if not count:
         return f"collectives in {title}: none"
-    rows = [(f"{n} × {kind}", f"over {axis}", _gib(nbytes), when)
+    rows = [(f"{n} × {kind}", f"over {axis}", units.nbytes(nbytes), when)
             for (kind, axis, when), (n, nbytes) in sorted(count.items(), key=lambda kv: kv[0][2])]
     total = sum(v[1] for v in count.values())
-    return (f"collectives in {title}, {_gib(total)} per device (bytes summed):\n"
-            + _columns([("count × kind", "mesh axis", "bytes", "when")] + rows))
+    return (f"collectives in {title}, {units.nbytes(total)} per device (bytes summed):\n"
+            + columns([("count × kind", "mesh axis", "bytes", "when")] + rows))

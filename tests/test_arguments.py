@@ -1,6 +1,7 @@
 """Arguments are checked where the user passes them: TypeError or ValueError naming the
 argument, the value given and what was expected, before any work is done."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -74,7 +75,8 @@ def test_plan_rejects(kwargs, error, match, monkeypatch):
         raise AssertionError("the arguments are checked before the capture")
 
     monkeypatch.setattr(autoparallel.tracer.ColoTracer, "trace", no_capture)
-    with pytest.raises(error, match=match):
+    old_name = pytest.warns(DeprecationWarning, match="mesh_spec=") if "mesh" in kwargs else contextlib.nullcontext()
+    with pytest.raises(error, match=match), old_name:
         autoparallel.plan(LIN, META, **kwargs)
 
 
@@ -128,7 +130,7 @@ def test_plan_takes_mesh_spec_and_the_old_keyword_with_a_warning():
         old = plan(model, inputs, mesh=MeshSpec((2,)), cache_dir=False)
     assert any(issubclass(w.category, DeprecationWarning) and "mesh_spec" in str(w.message) for w in caught)
     assert old.nodes == new.nodes and old.redistributions == new.redistributions
-    with pytest.raises(ValueError, match="mesh_spec= only"):
+    with pytest.raises(ValueError, match="mesh_spec= only"), pytest.warns(DeprecationWarning, match="mesh_spec="):
         plan(model, inputs, mesh=MeshSpec((2,)), mesh_spec=MeshSpec((2,)), cache_dir=False)
     with pytest.warns(DeprecationWarning, match="share_layers="):
         unshared = plan(model, inputs, mesh_shape=(2,), share_blocks=False, cache_dir=False)

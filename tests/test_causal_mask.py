@@ -75,3 +75,25 @@ def test_llama_attention_is_causal_without_its_mask(sim_mesh):
     assert calls and all(n.kwargs.get("is_causal") and n.args[3] is None for n in calls)
     ops = {n.target for n in pmodel.graph_module.graph.nodes}
     assert aten.where.self not in ops and aten.bitwise_and.Tensor not in ops
+
+
+def test_erasing_an_unread_mask_erases_a_shared_input_once():
+    """A mask reading one value directly and through another op reaches it twice; it is erased
+    once (torch.fx warns on a second erase_node, which the test configuration makes an error)."""
+    import warnings
+
+    import torch.fx as fx
+
+    from autoparallel.rewrites.causal_mask import _erase_unread
+
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    base = graph.call_function(aten.ones.default, ([4, 4],))
+    neg = graph.call_function(aten.neg.default, (base,))
+    mask = graph.call_function(aten.add.Tensor, (base, neg))
+    graph.output(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _erase_unread(graph, mask)
+    assert [n.op for n in graph.nodes] == ["placeholder", "output"]

@@ -92,6 +92,15 @@ def test_free_choice_as_constraint_gives_the_free_plan(gpt2):
     assert plan.solver_stats.objective_s == pytest.approx(free.solver_stats.objective_s, rel=1e-9)
 
 
+def test_pattern_matching_nothing_names_the_closest_names(gpt2):
+    """A misspelt pattern names the nearest names and layer globs, not arbitrary examples."""
+    with pytest.raises(ConstraintError) as e:
+        _plan(gpt2, constraints={"transformer.h.*.attn.c_atn.weight": "R"})
+    assert "closest: 'transformer.h.*.attn.c_attn.weight'" in str(e.value)
+    with pytest.raises(ConstraintError, match="closest: 'lm_head.weight'"):
+        _plan(gpt2, constraints={"lm_haed.weight": "R"})
+
+
 def test_impossible_constraint_names_pattern_tensor_and_choices(gpt2):
     with pytest.raises(ConstraintError) as e:
         _plan(gpt2, constraints={"transformer.wpe.*": "S2(tp)"})
@@ -101,7 +110,7 @@ def test_impossible_constraint_names_pattern_tensor_and_choices(gpt2):
 
 
 def test_pattern_matching_nothing_and_conflicts_raise(gpt2):
-    with pytest.raises(ConstraintError, match="'no.such.*' matches no parameter"):
+    with pytest.raises(ConstraintError, match="'no.such.*' matches no parameter.*nothing close; for example parameter"):
         _plan(gpt2, constraints={"no.such.*": "R"})
     with pytest.raises(ConstraintError, match="pinned to S0\\(tp\\) by .* and to R by"):
         _plan(gpt2, constraints={"*.c_attn.weight": "S0(tp)", "transformer.h.0.*": "R"})

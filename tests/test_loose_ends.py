@@ -98,7 +98,7 @@ def test_printed_placements_pin_back_the_same_plan():
     assert any(isinstance(x, UnitShard) for s in specs for x in s), "the plan should cut the heads in units"
     for spec in specs:
         assert parse_spec(format_spec(spec, names), names) == spec
-        assert format_spec(spec, names) in p.table(all_nodes=True)
+        assert format_spec(spec, names) in p.table(by="node", all_nodes=True)
     cut = next(n for n in p.nodes.values() if any(isinstance(x, UnitShard) for x in n.output_specs[0]))
     assert format_spec(cut.output_specs[0], names) in p.explain(cut.name)  # explain prints it as well
 

@@ -49,7 +49,7 @@ def test_an_options_object_and_keywords_give_the_same_plan():
 def test_deprecated_name_warns_and_maps():
     with pytest.warns(DeprecationWarning, match="share_blocks"):
         assert PlanOptions.build(None, "plan", share_blocks=False).share_layers is False
-    with pytest.raises(ValueError, match="give share_layers= only"):
+    with pytest.raises(ValueError, match="give share_layers= only"), pytest.warns(DeprecationWarning):
         PlanOptions.build(None, "plan", share_blocks=False, share_layers=True)
 
 

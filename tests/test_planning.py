@@ -150,7 +150,8 @@ def test_plan_table_json_and_collectives():
     assert again == plan and again.to_json() == plan.to_json()
     json.loads(plan.to_json())
     table = plan.table()
-    assert "input specs → output spec" in table and "transformer.h.0.attn" in table
+    assert "parameters (placement)" in table and "transformer.h.0.attn" in table
+    assert "input specs → output spec" in plan.table(by="node")
     assert set(plan.param_placements) >= {"transformer.wte.weight", "lm_head.weight"}  # tied: both names
     assert plan.param_placements["transformer.wte.weight"] == plan.param_placements["lm_head.weight"]
     for c in plan.collectives:

@@ -48,7 +48,56 @@ def test_layer_times_add_up_to_the_step(plan):
     rows = layer_times(plan)
     assert [r[0] for r in rows][:4] == ["before layers", "transformer.h.0", "transformer.h.1", "after layers"]
     assert sum(r[1] for r in rows) == pytest.approx(plan.estimate.compute_s)
+    assert sum(r[2] for r in rows) == pytest.approx(plan.estimate.comm_s)
     assert sum(r[1] + r[2] + r[3] for r in rows) == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
+
+
+def test_step_wide_optimizer_overhead_is_compute(plan):
+    """What no node holds of the optimizer step (the DTensor dispatch, paid once for the module)
+    is drawn as compute, not as exposed communication."""
+    import dataclasses
+
+    from autoparallel.plot import layer_times
+
+    est = plan.estimate
+    extra = dataclasses.replace(est, compute_s=est.compute_s + 4e-3, optimizer_s=est.optimizer_s + 4e-3,
+                                step_time_s=est.step_time_s + 4e-3)
+    before = layer_times(plan)[-1]
+    comm = before[2] if before[0] == "step-wide" else 0.0  # one gradient all-reduce latency per mesh axis
+    wide = layer_times(dataclasses.replace(plan, estimate=extra))[-1]
+    assert wide[0] == "step-wide" and wide[1] == pytest.approx(4e-3) and wide[2] == pytest.approx(comm, abs=1e-12)
+
+
+def _memory_axis(plan):
+    import matplotlib.pyplot as plt
+
+    from autoparallel.plot import figure
+
+    fig = figure(plan)
+    ax = fig.axes[1]
+    out = ax.get_ylim(), ax.get_ylabel(), ax.get_title(), [ln.get_label() for ln in ax.get_lines()]
+    plt.close(fig)
+    return out
+
+
+def test_memory_panel_is_scaled_to_the_data(plan):
+    """A budget far above the peak is named in the title, not drawn (the axis would flatten the
+    data); one within 3x of the peak is a line inside the axis."""
+    import dataclasses
+
+    pytest.importorskip("matplotlib")
+    from autoparallel import units
+
+    peak = max(plan.inspection.memory_timeline["total"])
+    unit, scale = units.bytes_unit(peak)
+    far = dataclasses.replace(plan.estimate, memory_budget_bytes=72 * 2**30)
+    (low, high), label, title, lines = _memory_axis(dataclasses.replace(plan, estimate=far))
+    assert low == 0 and peak / scale <= high <= 1.1 * peak / scale and label == f"{unit} per device"
+    assert "budget" not in lines and "72 GiB" in title
+    near = dataclasses.replace(plan.estimate, memory_budget_bytes=2 * peak)
+    (low, high), label, title, lines = _memory_axis(dataclasses.replace(plan, estimate=near))
+    unit, scale = units.bytes_unit(2 * peak)
+    assert "budget" in lines and 2 * peak / scale <= high <= 2.2 * peak / scale and "budget" not in title
 
 
 def test_plot_without_matplotlib_names_the_extra(plan, tmp_path, monkeypatch):
@@ -70,7 +119,7 @@ def test_cli_report(tmp_path, capsys):
     assert names == ["plan.json", "plan.png", "summary.txt", "table.txt"]
     plan = autoparallel.Plan.from_json((out / "plan.json").read_text())
     assert (out / "summary.txt").read_text() == str(plan) + "\n"
-    assert "input specs → output spec" in (out / "table.txt").read_text()
+    assert "parameters (placement)" in (out / "table.txt").read_text()
     assert json.loads((out / "plan.json").read_text())["param_placements"]["lm_head.weight"] == ["R", "S0"]
     _png_size(out / "plan.png")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import autoparallel
-from autoparallel.summary import _s, fold, ranges
+from autoparallel import units
+from autoparallel.summary import fold, ranges
 
 from models import hf_model
 
@@ -53,7 +54,7 @@ def test_summary_folds_layers_and_names_every_parameter_kind(gpt2_plan):
                  "vs this plan's step, same cost model: DDP "):
         assert part in text, part
     assert " S0 " not in text and "S01" not in text  # placements carry mesh-axis names
-    assert "(dp)" in gpt2_plan.table() or "(tp)" in gpt2_plan.table() or " R " in gpt2_plan.table()
+    assert "(dp)" in gpt2_plan.table() or "(tp)" in gpt2_plan.table() or " R" in gpt2_plan.table()
 
 
 def test_summary_length_does_not_grow_with_depth(gpt2_plan):
@@ -94,7 +95,7 @@ def test_explain_text(gpt2_plan):
     assert "  chosen " in text and "  next best " in text and "communication" in text and "memory" in text
     tied = gpt2_plan.explain("lm_head.weight")  # a tied name finds the embedding's node
     assert "transformer.wte.weight" in tied
-    module = gpt2_plan.explain("transformer.h.0.mlp.c_fc")  # every node run in the module
+    module = gpt2_plan.explain("transformer.h.0.mlp.c_fc", nodes=True)  # every node run in the module
     assert module.count("  chosen ") >= 1 and "addmm" in module
     node = next(n for n in gpt2_plan.inspection.alternatives if "same_as" not in gpt2_plan.inspection.alternatives[n])
     assert gpt2_plan.explain(node).startswith(node)
@@ -120,14 +121,14 @@ def test_baselines_when_asked_printed_and_cached(gpt2_plan, tmp_path):
     at = next(i for i, ln in enumerate(lines) if ln.startswith("vs this plan's step"))
     line = lines[at] + ("\n" + lines[at + 1] if lines[at + 1].startswith("  other recipes: ") else "")
     ddp = done["DDP"]["step_time_s"]
-    assert f"DDP {f'{ddp:.4g} s' if ddp >= 1e-2 else f'{ddp * 1e3:.4g} ms'} ({ddp / step:.2f}x" in line
+    assert f"DDP {units.seconds(ddp)} ({ddp / step:.2f}x" in line
     best = min(done, key=lambda n: done[n]["step_time_s"])
     assert (", the fastest recipe" in line) == (best == "DDP") and best in line
     for name, b in base.items():  # every recipe is on the two lines
         if "step_at_least_s" in b:
             assert f"{name} ≥ {b['step_at_least_s'] / step:.2f}x" in line
         elif "step_time_s" in b:
-            assert f"{name} {b['step_time_s'] / step:.2f}x" in line or f"{name} {_s(b['step_time_s'])}" in line
+            assert f"{name} {b['step_time_s'] / step:.2f}x" in line or f"{name} {units.seconds(b['step_time_s'])}" in line
         else:
             assert "not possible: " in line and name in line
     with torch.device("meta"):
@@ -171,3 +172,61 @@ def test_autoparallelize_plans_baselines_only_when_asked(sim_mesh):
     assert off.plan.inspection.baselines is None and "baselines" not in off.plan.solver_stats.stage_s
     with pytest.raises(TypeError, match="baselines must be True or False"):
         autoparallel.autoparallelize(model, inputs, device_mesh=mesh, baselines=None)
+
+
+def test_summary_fits_one_screen_in_one_unit_per_value(gpt2_plan):
+    """str(plan) of a 4-layer GPT-2 is under 40 lines, and every time and size is printed by
+    autoparallel.units: no raw floats, no fractions of a MiB."""
+    import re
+
+    text = str(gpt2_plan)
+    assert len(text.splitlines()) <= 40, text
+    assert not re.search(r"\d\.\d+e-\d", text) and not re.search(r"\b0\.0\d* (s|ms|MiB|GiB)\b", text), text
+    assert f"estimated step {units.seconds(gpt2_plan.estimate.step_time_s)} = " in text
+    assert f"peak memory {units.nbytes(gpt2_plan.estimate.peak_memory_bytes)} per device" in text
+
+
+def test_table_is_per_module_by_default(gpt2_plan):
+    """One row per module path with the parameters it holds and their placements; the
+    per-node table behind by="node"."""
+    table = gpt2_plan.table()
+    rows = {ln.split()[0]: ln for ln in table.splitlines() if ln.startswith("transformer")}
+    assert len(table.splitlines()) < 70 and max(len(ln) for ln in table.splitlines()[:-1]) < 130, table
+    fc = rows["transformer.h.3.mlp.c_fc"]
+    placed = units.nbytes(sum(n.memory_bytes for n in gpt2_plan.nodes.values()
+                              if n.module_path == "transformer.h.3.mlp.c_fc"
+                              or (gpt2_plan.inspection.state_nodes.get(n.name) or [""])[0].startswith(
+                                  "transformer.h.3.mlp.c_fc.")))
+    assert "weight " in fc and "bias " in fc and fc.rstrip().endswith(placed), (fc, placed)
+    assert "transformer.h.3.attn" in rows and "addmm" not in table and "(top level)" in table
+    assert table.splitlines()[-1].startswith("mesh (2, 2): estimated step ")
+    nodes = gpt2_plan.table(by="node")
+    assert "input specs → output spec" in nodes and "addmm" in nodes
+    with pytest.raises(ValueError, match="by is 'module'"):
+        gpt2_plan.table(by="layer")
+    with pytest.raises(ValueError, match="by='node', all_nodes=True"):
+        gpt2_plan.table(all_nodes=True)
+
+
+def test_table_cuts_long_parameter_lists():
+    from autoparallel.table import PARAMETERS_WIDTH, _shorten
+
+    assert _shorten("weight R") == "weight R"
+    long = ", ".join(f"w{i} S0(dp) S1(tp)" for i in range(10))
+    assert len(_shorten(long)) == PARAMETERS_WIDTH and _shorten(long).endswith("…")
+
+
+def test_explain_a_module_line_per_part(gpt2_plan):
+    """A module is explained by its submodules and parameters, one line each; node by node on request."""
+    text = gpt2_plan.explain("transformer.h.3.attn")
+    lines = text.splitlines()
+    assert lines[0].startswith("transformer.h.3.attn: ") and len(lines) <= 10, text
+    parts = [ln.split()[0] for ln in lines[2:-1]]
+    assert parts[:2] == ["c_attn", "c_proj"] and "(its" in parts, text
+    assert "nodes=True" in lines[-1]
+    leaf = gpt2_plan.explain("transformer.h.3.mlp.c_fc")
+    weight = next(ln for ln in leaf.splitlines() if ln.split()[0] == "weight")
+    spec = gpt2_plan.param_placements["transformer.h.3.mlp.c_fc.weight"]
+    assert f"[64, 256] {autoparallel.summary.named(gpt2_plan, spec)}, " in weight and "next best " in weight, leaf
+    detail = gpt2_plan.explain("transformer.h.3.attn", nodes=True)
+    assert detail.count("  chosen ") > 3 and len(detail.splitlines()) > len(lines)

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .. import precision
+from .. import precision, units
 from ..graph import output_leaves, tensor_inputs
 from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
                          shard_axes, uneven_dims)
@@ -339,7 +339,7 @@ class _PerDeviceGraph:
             cast = b.dtype != b.members[0].meta["val"].dtype  # reduced in a mixed-precision policy's dtype
             bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *members),
                                               {"reduce_dtype": b.dtype} if cast else {})
-            self.comment(since, f"gradients of these {len(b.members)} parameters ({b.nbytes / 2**20:.2f} MiB"
+            self.comment(since, f"gradients of these {len(b.members)} parameters ({units.nbytes(b.nbytes)}"
                                 f"{f' in {b.dtype}' if cast else ''}): all-reduced over "
                                 f"{', '.join(g.name for g in groups)} during the backward")
             for i, m in enumerate(b.members):

@@ -141,13 +141,15 @@ def _constant_ancestry(node: fx.Node) -> list[fx.Node] | None:
 
 def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` if nothing reads it, then each of its inputs that is left unread the same
-    way: ATen ops only (collectives, the runtime's functions, placeholders and attributes stay)."""
-    stack = [node]
+    way: ATen ops only (collectives, the runtime's functions, placeholders and attributes stay).
+    An input two erased nodes read is reached twice and erased once."""
+    stack, erased = [node], set()
     while stack:
         n = stack.pop()
-        if n.users or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+        if n in erased or n.users or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
                 or n.target.namespace != "aten":
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)
+        erased.add(n)
         stack.extend(inputs)

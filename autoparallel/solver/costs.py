@@ -53,6 +53,7 @@ import torch
 
 from tabulate import tabulate
 
+from .. import units
 from ..mesh import DEFAULT_ALPHA, DEFAULT_BETA, MeshSpec
 from ..tracer.annotate import MATMUL_LIKE
 
@@ -475,10 +476,10 @@ class CommProfile:
         for (axis, kind), t in sorted(self.tables.items(), key=order):
             where, n = (("world", math.prod(self.mesh_shape)) if axis is None
                         else (f"{axis} ({self.axis_names[axis]})", self.mesh_shape[axis]))
-            rows.append([where, n, kind, f"{t.alpha * 1e6:.3g}",
+            rows.append([where, n, kind, units.seconds(t.alpha),
                          f"{1 / t.beta / 1e9:.3g}" if t.beta else "inf", f"{100 * t.deviation:.0f}%",
-                         "table" if t.interpolate else "line", f"{_kib(t.sizes[0])} .. {_kib(t.sizes[-1])}"])
-        hdr = ["axis", "devices", "collective", "alpha µs", "1/beta GB/s", "max dev", "lookup", "sizes"]
+                         "table" if t.interpolate else "line", f"{units.nbytes(t.sizes[0])} .. {units.nbytes(t.sizes[-1])}"])
+        hdr = ["axis", "devices", "collective", "alpha", "1/beta GB/s", "max dev", "lookup", "sizes"]
         return head + "\n" + tabulate(rows, hdr, tablefmt="simple")
 
     def __str__(self) -> str:
@@ -561,10 +562,6 @@ def exposed_comm_time(launches) -> float:
         tail += comm - compute
         exposed = max(exposed, tail)
     return exposed
-
-
-def _kib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.3g} KiB"
 
 
 def _is_int(v) -> bool:

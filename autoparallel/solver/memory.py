@@ -62,7 +62,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import rewrites
+from .. import rewrites, units
 from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..results import MemoryBreakdown, MemoryPeak
@@ -566,16 +566,15 @@ class MemoryModel:
 
     def dominant(self, choice: dict[fx.Node, Strategy], top: int = 3) -> str:
         """What dominates the peak under ``choice``, for error messages: the largest kind at the
-        peak step and the ``top`` largest tensors live there (node, kind, GiB)."""
+        peak step and the ``top`` largest tensors live there (node, kind, bytes)."""
         est = self.estimate(choice)
         t = est.peak_step
         kind, kb = max(est.breakdown.items(), key=lambda kv: kv[1])
         live = sorted(((it.bytes(choice), it.owner.name, it.kind) for it in self.items if it.start <= t <= it.end),
                       key=lambda x: -x[0])[:top]
         step = f"forward of {self.nodes[t].name}" if t < len(self.nodes) else f"backward of {self.nodes[self.steps - 1 - t].name}"
-        gib = 2 ** 30
-        return (f"its peak ({est.peak_bytes / gib:.3g} GiB, at the {step}) is mostly {kind} ({kb / gib:.3g} GiB); "
-                f"largest tensors: " + ", ".join(f"{name} ({k}, {b / gib:.3g} GiB)" for b, name, k in live))
+        return (f"its peak ({units.nbytes(est.peak_bytes)}, at the {step}) is mostly {kind} ({units.nbytes(kb)}); "
+                f"largest tensors: " + ", ".join(f"{name} ({k}, {units.nbytes(b)})" for b, name, k in live))
 
     def row(self, t: int) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
         """The memory at step ``t`` as ``(node, size function)`` terms, each linear in one

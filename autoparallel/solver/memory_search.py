@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from .. import units
 from ..errors import InfeasiblePlanError
 from ..plan import Plan
 from ..strategies import Strategy
@@ -80,8 +81,8 @@ class MemorySearch:
             sol = self._penalized(rows, lam)
             choice = choice_of(self.built, sol)
             est = self.memory.estimate(choice)
-            log.info("memory budget: solve %d at %.3g s/GiB: peak %.4g GiB, step %.4g s (%.2f s)", rounds,
-                     lam * 2**30, est.peak_bytes / 2**30, sol.objective, sol.stats["build_s"] + sol.stats["solve_s"])
+            log.info("memory budget: solve %d at %.3g s/GiB: peak %s, step %s (%.2f s)", rounds, lam * 2**30,
+                     units.nbytes(est.peak_bytes), units.seconds(sol.objective), sol.stats["build_s"] + sol.stats["solve_s"])
             if est.peak_bytes <= budget:
                 hi = lam
                 if best is None or sol.objective < best[1].objective:
@@ -163,14 +164,14 @@ class MemorySearch:
                 if allowance is None or allowance in fixed_fractions:
                     reachable.append((fixed + need, choice))
                 continue
-            log.info("activation checkpointing: %d regions, %.3g s recomputed, stage-1 allowance %.4g GiB",
-                     len(schedule.regions), schedule.recompute_time, (allowance or top) / 2**30)
+            log.info("activation checkpointing: %d regions, %s recomputed, stage-1 allowance %s", len(schedule.regions),
+                     units.seconds(schedule.recompute_time), units.nbytes(allowance or top))
             return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
         best, choice = min(reachable, key=lambda r: r[0]) if reachable else (top, free[0])
         best = int(math.ceil(best))
         raise InfeasiblePlanError(
-            f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device, even recomputing activations: the "
-            f"smallest peak the planner reaches is about {best / 2**30:.3g} GiB ({best} bytes); without "
+            f"no plan fits memory_budget={units.nbytes(budget)} per device, even recomputing activations: the "
+            f"smallest peak the planner reaches is about {units.nbytes(best)} ({best} bytes); without "
             f"recomputation {self.memory.dominant(choice)}. Raise the budget, use more devices or a smaller batch")
 
     def full(self, stages, found, budget: int | None, plan_of: Callable[[dict], Plan],
@@ -226,7 +227,7 @@ class MemorySearch:
             best = self.memory.estimate(choice).peak_bytes
         finally:
             problem.minimize_memory = False
-        return (f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device: the smallest peak the planner "
-                f"reaches on this mesh is about {best / 2**30:.3g} GiB ({best} bytes); {self.memory.dominant(choice)}. "
+        return (f"no plan fits memory_budget={units.nbytes(budget)} per device: the smallest peak the planner "
+                f"reaches on this mesh is about {units.nbytes(best)} ({best} bytes); {self.memory.dominant(choice)}. "
                 "Raise the budget, use more devices or a smaller batch")
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .. import cache, errors, precision, progress, recipes
+from .. import cache, errors, precision, progress, recipes, units
 from ..constraints import cache_key as constraints_key, policy_cast, resolve as resolve_constraints
 from ..constraints import restrict as restrict_strategies
 from ..errors import AutoParallelError
@@ -81,8 +81,9 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
                          checkpointing=options.checkpointing)
     plan.estimate = replace(plan.estimate, costs=cost_model.describe())
     st = plan.solver_stats
-    log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %.3g s",
-             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"], plan.estimate.step_time_s)
+    log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %s",
+             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"],
+             units.seconds(plan.estimate.step_time_s))
     st.stage_s.update(strategies=t1 - t0, memory=t_memory)
     st.stamped_layers = traced.stamped_layers
     st.cache = "miss" if folder is not None else "off"
