@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoparallel"
 # each group may import its own modules and those of earlier groups, never later ones
 LAYERS = [
     ("base", {"_torchvision_compat", "errors", "fqn", "graph", "placement", "mesh", "precision", "progress",
-              "pickling", "runtime_kernels", "constraints", "jsonfields"}),
-    ("the plan and its views", {"results", "plan", "summary", "explain", "plot"}),
+              "pickling", "runtime_kernels", "constraints", "jsonfields", "units"}),
+    ("the plan and its views", {"results", "plan", "summary", "explain", "plot", "table"}),
     ("capture", {"tracer"}),
     ("strategies", {"strategies"}),
     ("rewrites", {"rewrites"}),
@@ -21,7 +21,7 @@ LAYERS = [
     ("module", {"codegen"}),
     ("facade", {"api", "config", "demo", "cli", "lightning", "__init__", "__main__"}),
 ]
-VIEWS = {"summary", "explain", "plot"}
+VIEWS = {"summary", "explain", "plot", "table"}
 """Readers of a Plan: the solver package computes what they show and imports none of them."""
 
 
