@@ -110,7 +110,7 @@ def test_cli_report(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "report"
     assert main(["plan", "--model", "gpt2", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "128",
-                 "--batch", "4", "--seq", "16", "--mesh", "2x2", "--axes", "dp,tp",
+                 "--batch", "4", "--seq", "16", "--mesh", "2x2", "--mesh-axes", "dp", "tp",
                  "--constraint", "lm_head.weight=S0(tp)", "--report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("plan for a mesh of 4 devices: 2 (dp) × 2 (tp)")
