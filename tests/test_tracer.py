@@ -117,7 +117,7 @@ def test_cli_plan_and_coverage(tmp_path, capsys):
     from autoparallel.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "llama", "--mesh", "2x2", "--device", "cpu", "--json", str(out)]) == 0
+    assert main(["plan", "--model", "llama", "--mesh", "2x2", "--cost-model", "cpu", "--json", str(out)]) == 0
     assert "estimated step" in capsys.readouterr().out
     plan = autoparallel.Plan.from_json(out.read_text())
     assert plan.mesh.shape == (2, 2)
