@@ -49,6 +49,7 @@ _MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # bf16's rate stands for every
 _MAX_MATMUL_N = 8192
 _BATCH_S = 1e-3  # a timed batch of back-to-back collectives lasts about this long or more
 _MAX_CALLS = 16
+_PLAUSIBLE_EFFICIENCY = (0.1, 3.0)  # a step efficiency outside it was measured under load (one cached 5.27)
 _SIZE_STEP = 4  # measured message sizes grow by this factor: 4 KiB, 16 KiB, ... (8 sizes to 256 MiB)
 _WINDOW_S = 0.03  # a timed sample of the device's rates repeats its op for at least this long
 _CHAIN = 32  # ops in the chain whose forward and backward time the per-op overhead
@@ -515,7 +516,11 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
         mine = _calibrate(device, budget, kind["ranks_on_host"], together=dist.barrier)
     memory = _agree([mine.memory], dist.ReduceOp.MIN, device)[0]
     rates = dataclasses.replace(_slowest_rank(mine, device), memory=memory)
-    if dist.get_rank() == 0 and path is not None:
+    plausible = _PLAUSIBLE_EFFICIENCY[0] <= rates.step_efficiency <= _PLAUSIBLE_EFFICIENCY[1]
+    if not plausible:  # measured while other work shared the cores: used for this run, never cached
+        log.warning("device calibration: step efficiency %.2f is outside %s (other work on the cores?); "
+                    "not caching it", rates.step_efficiency, _PLAUSIBLE_EFFICIENCY)
+    if dist.get_rank() == 0 and path is not None and plausible:
         cache.write_text(path, json.dumps(rates.to_json()), "device profile")
     return rates
 
