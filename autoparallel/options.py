@@ -26,8 +26,9 @@ from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
 
 PARALLELISM = ("auto", "data", "fsdp")
-CHECKPOINTING = ("auto", "off", "full")
-"""Activation checkpointing: recompute when the budget asks for it, never, or every stage."""
+CHECKPOINTING = ("auto", "off", "full", "selective")
+"""Activation checkpointing: recompute when the budget asks for it, never, every stage, or every
+stage selectively (matmul and attention outputs kept)."""
 RENAMED = {"share_blocks": "share_layers"}
 """Deprecated keyword → its name now (accepted with a DeprecationWarning)."""
 
@@ -60,7 +61,10 @@ class PlanOptions:
             schedule picks (:mod:`autoparallel.solver.remat`); ``"off"``: never (a budget no
             sharding fits raises InfeasiblePlanError); ``"full"``: every stage of the repeated
             layers (each sub-layer, e.g. ``attn``, ``mlp``) is a region, whatever the budget
-            (a model without two repeated layers has no stages: nothing is recomputed).
+            (a model without two repeated layers has no stages: nothing is recomputed);
+            ``"selective"``: every stage keeps the outputs of its matmuls and attention and
+            recomputes the other ops (:mod:`autoparallel.runtime_kernels.recompute`). Under
+            ``"auto"`` the schedule chooses per stage among the three.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'

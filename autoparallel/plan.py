@@ -69,27 +69,34 @@ class Move:
 @dataclass(frozen=True)
 class Region:
     """Chain stages ``[start, stop)`` run under one ``torch.utils.checkpoint``; ``children``
-    are checkpointed again during its recompute (:mod:`autoparallel.solver.rotor`)."""
+    are checkpointed again during its recompute (:mod:`autoparallel.solver.rotor`). A
+    ``selective`` region is one stage that keeps its matmul and attention outputs and
+    recomputes the rest (:mod:`autoparallel.runtime_kernels.recompute`)."""
 
     start: int
     stop: int
     children: tuple["Region", ...] = ()
+    selective: bool = False
 
     def to_json(self) -> dict:
-        return {"start": self.start, "stop": self.stop, "children": [c.to_json() for c in self.children]}
+        return {"start": self.start, "stop": self.stop, "children": [c.to_json() for c in self.children],
+                "selective": self.selective}
 
 
 @dataclass
 class RegionSummary:
     """One top-level checkpoint region as the plan's table prints it: its ``stages``
     (``"3-5"``), the first and last ``modules`` it runs, its op ``nodes``, the activation
-    bytes per device it saves (``saved_bytes``) and the forward seconds it recomputes."""
+    bytes per device it saves (``saved_bytes``), the forward seconds it recomputes, and its
+    ``policy``: ``"full"`` (only the region's inputs kept) or ``"selective"`` (matmul and
+    attention outputs kept too)."""
 
     stages: str
     modules: str
     nodes: int
     saved_bytes: int
     recompute_s: float
+    policy: str = "full"
 
 
 @dataclass
@@ -516,26 +523,32 @@ def _check_len(spec: Spec, mesh: MeshSpec, where: str, field_name: str) -> None:
 
 
 def _regions(regions, lo: int, hi: int, where: str) -> tuple[Region, ...]:
-    """The regions of a list of ``{"start", "stop", "children"}`` stage ranges, ascending and
-    disjoint, within ``[lo, hi)``, children inside their parent."""
+    """The regions of a list of ``{"start", "stop", "children", "selective"}`` stage ranges,
+    ascending and disjoint, within ``[lo, hi)``, children inside their parent; ``selective``
+    (absent in plans saved before it: false) only on one stage without children."""
     _check(isinstance(regions, list), "checkpoint", where, "a list of regions", regions)
     out, prev = [], lo
     for i, r in enumerate(regions):
         at = f"{where}[{i}]"
-        _fields(r, ("start", "stop", "children"), f"checkpoint: {at}")
+        _fields(r, ("start", "stop", "children", "selective"), f"checkpoint: {at}", optional=("selective",))
         start, stop = r["start"], r["stop"]
         if not (_is_count(start) and _is_count(stop) and prev <= start < stop <= hi):
             raise ValueError(f"checkpoint: {at} covers stages [{start!r}, {stop!r}), expected ints with "
                              f"{prev} <= start < stop <= {hi} (regions ascending, disjoint, inside their parent)")
-        out.append(Region(start, stop, _regions(r["children"], start, stop, f"{at}.children")))
+        selective = r.get("selective", False)
+        _check(selective is False or (selective is True and stop == start + 1 and not r["children"]), "checkpoint",
+               f"{at}.selective", "a bool, true only on a region of one stage without children", selective)
+        out.append(Region(start, stop, _regions(r["children"], start, stop, f"{at}.children"), selective))
         prev = stop
     return tuple(out)
 
 
 def _region_summary(row, where: str) -> RegionSummary:
-    ok = isinstance(row, dict) and set(row) == set(_SUMMARY_FIELDS) and isinstance(row["stages"], str) \
-        and isinstance(row["modules"], str) and _is_count(row["nodes"]) and _is_count(row["saved_bytes"]) \
-        and _is_number(row["recompute_s"])
+    """A table row; ``policy`` is absent in plans saved before selective regions (``"full"``)."""
+    ok = isinstance(row, dict) and set(_SUMMARY_FIELDS) <= set(row) <= {*_SUMMARY_FIELDS, "policy"} \
+        and isinstance(row["stages"], str) and isinstance(row["modules"], str) and _is_count(row["nodes"]) \
+        and _is_count(row["saved_bytes"]) and _is_number(row["recompute_s"]) \
+        and row.get("policy", "full") in ("full", "selective")
     _check(ok, "checkpoint", where, "an object with stages and modules (strings), nodes and saved_bytes "
-           "(ints >= 0) and recompute_s (seconds)", row)
+           "(ints >= 0), recompute_s (seconds) and policy ('full' or 'selective')", row)
     return RegionSummary(**row)

@@ -108,7 +108,8 @@ def _footer(plan: "Plan") -> str:
 def _checkpoint(plan: "Plan") -> str:
     if not plan.checkpoint:
         return ""
-    regions = [[r.stages, r.modules, r.nodes, units.nbytes(r.saved_bytes), units.seconds(r.recompute_s)]
+    regions = [[r.stages, r.modules, r.policy, r.nodes, units.nbytes(r.saved_bytes), units.seconds(r.recompute_s)]
                for r in plan.checkpoint.table]
-    return "\n\nactivation checkpointing (recomputed in backward):\n" + tabulate(
-        regions, ["stages", "modules", "nodes", "memory saved", "recompute"], tablefmt="simple", disable_numparse=True)
+    return "\n\nactivation checkpointing (recomputed in backward; selective: matmul and attention outputs kept):\n" \
+        + tabulate(regions, ["stages", "modules", "policy", "nodes", "memory saved", "recompute"], tablefmt="simple",
+                   disable_numparse=True)

@@ -41,6 +41,7 @@ def _traced(seed=0):
     ((Region(1, 5),), 6 + 4),
     ((Region(0, 1), Region(3, 6)), 6 + 1 + 3),
     ((Region(1, 5, (Region(2, 4),)),), 6 + 4 + 2),
+    ((Region(1, 2, selective=True), Region(3, 6, (Region(4, 5, selective=True),))), 6 + 1 + 3 + 1),
 ])
 def test_nested_regions_recompute_and_keep_gradients(regions, runs):
     model, gm, stage_of = _traced()
@@ -50,6 +51,7 @@ def test_nested_regions_recompute_and_keep_gradients(regions, runs):
     model.zero_grad()
     apply_checkpointing(gm, stage_of, regions)
     assert gm.code.count("checkpoint(") == len(regions)
+    assert gm.code.count("selective_checkpoint(") == sum(r.selective for r in regions)
     CALLS["n"] = 0
     gm(x).backward()
     assert CALLS["n"] == runs
@@ -73,6 +75,33 @@ def test_checkpointing_saves_memory():
     _, ck, stage_of = _traced()
     apply_checkpointing(ck, stage_of, [Region(i, i + 1) for i in range(6)])
     assert saved_bytes(ck, x) < saved_bytes(plain, x)
+
+
+def test_selective_regions_keep_matmul_outputs_and_recompute_the_rest():
+    """A selective stage runs its tanh again in the backward but not its matmul (its output
+    comes from the selective cache); a full region runs both again."""
+    def run(regions):
+        _, gm, stage_of = _traced()
+        apply_checkpointing(gm, stage_of, regions)
+        mms = []
+
+        class CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.mm.default:
+                    mms.append(func)
+                return func(*args, **(kwargs or {}))
+
+        CALLS["n"] = 0
+        with CountMM():
+            gm(torch.randn(64, 16)).backward()
+        return CALLS["n"], len(mms)
+
+    every = range(6)
+    tanh_plain, mm_plain = run(())
+    tanh_sel, mm_sel = run([Region(i, i + 1, selective=True) for i in every])
+    tanh_full, mm_full = run([Region(i, i + 1) for i in every])
+    assert (tanh_plain, tanh_sel, tanh_full) == (6, 12, 12)
+    assert mm_sel == mm_plain == mm_full - 6
 
 
 def test_region_interleaved_with_a_reader_is_refused():

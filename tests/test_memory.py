@@ -153,6 +153,53 @@ def test_checkpointing_parity_and_measured_peak(sim_mesh):
     assert measured <= budget, (measured, budget)
 
 
+@pytest.mark.slow
+def test_selective_checkpointing_parity(sim_mesh):
+    """``checkpointing="selective"``: every stage keeps its matmul and attention outputs and
+    recomputes the rest; loss and every gradient equal the single-device model's."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    torch.manual_seed(0)
+    ref = hf_model("gpt2", layers=2).train()
+    model = copy.deepcopy(ref)
+    batch = batch_for("gpt2", 0, batch=4, seq=32)
+    mesh = sim_mesh((2,))
+    ranks = frozenset(range(2))
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cost_model=autoparallel.CostModel(
+            "cpu"), checkpointing="selective", cache_dir=False)
+    ck = pmodel.plan.checkpoint
+    assert ck.regions and all(r.selective for r in ck.regions)
+    assert {row.policy for row in ck.table} == {"selective"} and "selective" in pmodel.plan.table()
+    assert "selective_checkpoint(" in pmodel.graph_module.code
+    ref(**batch).loss.backward()
+    ref_params = dict(ref.named_parameters())
+    with LocalTensorMode(ranks):
+        loss = pmodel(**batch).loss
+        loss.backward()
+        for v in loss._local_tensors.values():
+            torch.testing.assert_close(v, ref(**batch).loss.detach(), rtol=1e-4, atol=1e-5)
+        for name, p in pmodel.named_parameters():
+            for v in whole(p.grad)._local_tensors.values():
+                torch.testing.assert_close(v, ref_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_recomputing_on_the_fastest_plan_beats_sharding_to_fit():
+    """Just under the fastest plan's peak, recomputing a little on it is faster than the
+    sharding stage 1 finds to fit without recomputation, so ``"auto"`` takes it."""
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=4)
+    inputs = to_meta(batch_for("gpt2", 0, batch=8, seq=32))
+    kw = dict(mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
+    free = autoparallel.plan(model, inputs, **kw)
+    budget = int(0.9 * free.estimate.peak_memory_bytes)
+    sharded = autoparallel.plan(model, inputs, memory_budget=budget, checkpointing="off", **kw)
+    auto = autoparallel.plan(model, inputs, memory_budget=budget, **kw)
+    assert sharded.checkpoint is None and auto.checkpoint and auto.checkpoint.regions
+    assert auto.estimate.peak_memory_bytes <= budget
+    assert free.estimate.step_time_s < auto.estimate.step_time_s < sharded.estimate.step_time_s
+
+
 def test_checkpointed_plan_roundtrips_json():
     from autoparallel.plan import Plan
 

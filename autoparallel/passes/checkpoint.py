@@ -8,7 +8,10 @@ inside their parent's sub-module, so during the parent's recompute they again ke
 their inputs and recompute at their own backward: the nested schedule of Rotor (Beaumont
 et al., arXiv 1911.13214). Collectives inside a region are recomputed too; every rank
 runs the same recomputation in the same order. The RNG state is restored for the
-recompute (checkpoint's default), so random ops draw the same values.
+recompute (checkpoint's default), so random ops draw the same values. A selective region
+(one stage) is called through
+:func:`~autoparallel.runtime_kernels.recompute.selective_checkpoint` instead: it keeps the
+outputs of matmuls and attention as well and recomputes the other ops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.utils.checkpoint
 
 from ..graph import written_args
 from ..plan import Region
+from ..runtime_kernels.recompute import selective_checkpoint
 
 
 def _writes_outside(node: fx.Node, inside: set[fx.Node]) -> bool:
@@ -76,7 +80,10 @@ def _wrap(gm: fx.GraphModule, stage_of: dict[fx.Node, int], region: Region) -> N
     gm.add_submodule(name, sub_gm)
     with graph.inserting_before(first):
         fn = graph.get_attr(name)
-        call = graph.call_function(torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False})
+        if region.selective:
+            call = graph.call_function(selective_checkpoint, (fn, *inputs))
+        else:
+            call = graph.call_function(torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False})
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for o, r in zip(outputs, results):
         r.meta = dict(o.meta)

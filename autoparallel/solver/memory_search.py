@@ -25,7 +25,7 @@ from .ilp import ILPSolution, solve
 from .memory import MemoryModel
 from .problem import GroupedProblem
 from .remat import build_chain, checkpoint_plan
-from .rotor import InfeasibleBudget, checkpoint_every_stage, solve as rotor_solve
+from .rotor import InfeasibleBudget, checkpoint_every_stage, selective_every_stage, solve as rotor_solve
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class MemorySearch:
                  max_rounds: int):
         self.built, self.memory = built, memory
         self.solver, self.time_limit, self.max_rounds = solver, time_limit, max_rounds
+        self.fastest = None  # (choice, solution, 1) of the fastest plan, once stage 1 has solved it
 
     def stage1(self, budget: int | None):
         """``(choice, solution, solves)`` of the fastest plan found within ``budget`` bytes, or
@@ -58,7 +59,7 @@ class MemorySearch:
         fits, then bisected (geometric mean; halved while none is known not to fit) until the
         largest price that does not fit is within 1.2× of the smallest that does, or after
         ``max_rounds`` solves; the fastest fitting plan (by its unpenalized seconds) wins, and
-        one as fast as the fastest plan ends the search. Each solve keeps the
+        one as fast as the fastest plan ends the search (kept as :attr:`fastest`). Each solve keeps the
         unconstrained problem's shape (the penalty is a cost per group strategy), whose LP
         relaxation solves integral in about a second at Llama-3-8B scale; hard memory rows
         made CBC branch until its time limit (60 s per row added). A Lagrangian plan may be
@@ -67,6 +68,8 @@ class MemorySearch:
         problem = self.built.ilp
         sol = solve(problem, solver=self.solver, time_limit=self.time_limit)
         choice = choice_of(self.built, sol)
+        if not problem.memory_rows:
+            self.fastest = (choice, sol, 1)
         if budget is None or self.memory is None:
             return choice, sol, 1
         est = self.memory.estimate(choice)
@@ -149,24 +152,11 @@ class MemorySearch:
             found = free if allowance is None else self.stage1(allowance)
             if found is None:
                 break
-            choice = found[0]
-            plan = plan_of(choice)
-            fwd = {n.name: forward_s(n, choice[n]) for n in stages if n in choice}
-            chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
-            try:
-                schedule = rotor_solve(chain, budget - fixed)
-            except InfeasibleBudget as e:
-                try:  # the smallest peak exactly may not fit once the DP rounds sizes up to slots
-                    rotor_solve(chain, e.min_budget)
-                    need = e.min_budget
-                except InfeasibleBudget as rounded:
-                    need = rounded.min_budget
-                if allowance is None or allowance in fixed_fractions:
-                    reachable.append((fixed + need, choice))
-                continue
-            log.info("activation checkpointing: %d regions, %s recomputed, stage-1 allowance %s", len(schedule.regions),
-                     units.seconds(schedule.recompute_time), units.nbytes(allowance or top))
-            return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
+            fitted = self.recompute(found, stages, budget, plan_of, forward_s)
+            if isinstance(fitted, tuple):
+                return fitted
+            if allowance is None or allowance in fixed_fractions:
+                reachable.append((fitted, found[0]))
         best, choice = min(reachable, key=lambda r: r[0]) if reachable else (top, free[0])
         best = int(math.ceil(best))
         raise InfeasiblePlanError(
@@ -174,10 +164,32 @@ class MemorySearch:
             f"smallest peak the planner reaches is about {units.nbytes(best)} ({best} bytes); without "
             f"recomputation {self.memory.dominant(choice)}. Raise the budget, use more devices or a smaller batch")
 
-    def full(self, stages, found, budget: int | None, plan_of: Callable[[dict], Plan],
-             forward_s: Callable[[fx.Node, Strategy], float]):
-        """Full activation checkpointing (``checkpointing="full"``): every stage of the chain its
-        own region (:func:`~autoparallel.solver.rotor.checkpoint_every_stage`), on ``found`` (the
+    def recompute(self, found, stages, budget: int, plan_of: Callable[[dict], Plan],
+                  forward_s: Callable[[fx.Node, Strategy], float]):
+        """Rotor's recomputation schedule (with selective stages) of the stage-1 plan ``found``
+        within ``budget``: ``(found, plan, (plan.checkpoint, modelled peak bytes))``, or, when
+        no schedule fits, the smallest peak one reaches on that plan (bytes)."""
+        choice = found[0]
+        plan = plan_of(choice)
+        fwd = {n.name: forward_s(n, choice[n]) for n in stages if n in choice}
+        chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
+        try:
+            schedule = rotor_solve(chain, budget - fixed)
+        except InfeasibleBudget as e:
+            try:  # the smallest peak exactly may not fit once the DP rounds sizes up to slots
+                rotor_solve(chain, e.min_budget)
+                return fixed + e.min_budget
+            except InfeasibleBudget as rounded:
+                return fixed + rounded.min_budget
+        log.info("activation checkpointing: %d regions, %s recomputed, peak %s", len(schedule.regions),
+                 units.seconds(schedule.recompute_time), units.nbytes(fixed + schedule.peak_bytes))
+        return found, plan, (checkpoint_plan(chain, schedule, stages), fixed + int(schedule.peak_bytes))
+
+    def every_stage(self, stages, found, budget: int | None, plan_of: Callable[[dict], Plan],
+                    forward_s: Callable[[fx.Node, Strategy], float], policy: str = "full"):
+        """Every stage of the chain recomputed (``checkpointing="full"`` or ``"selective"``):
+        each its own region (:func:`~autoparallel.solver.rotor.checkpoint_every_stage`) or run
+        selectively (:func:`~autoparallel.solver.rotor.selective_every_stage`), on ``found`` (the
         stage-1 plan within ``budget``) or, when none fits without recomputation, the fastest plan.
 
         Returns:
@@ -193,15 +205,16 @@ class MemorySearch:
         plan = plan_of(choice)
         fwd = {n.name: forward_s(n, choice[n]) for n in stages if n in choice}
         chain, fixed = build_chain(self.memory, choice, plan, fwd, stages)
-        schedule = checkpoint_every_stage(chain)
+        schedule = (selective_every_stage if policy == "selective" else checkpoint_every_stage)(chain)
         peak = fixed + int(schedule.peak_bytes)
         if budget is not None and peak > budget:
             raise InfeasiblePlanError(
-                f"no plan fits memory_budget={budget / 2**30:.3g} GiB per device with checkpointing='full': "
-                f"recomputing every stage the peak is about {peak / 2**30:.3g} GiB ({peak} bytes). Raise the "
-                "budget, use more devices or a smaller batch")
-        log.info("activation checkpointing (full): %d regions, %.3g s recomputed", len(schedule.regions),
-                 schedule.recompute_time)
+                f"no plan fits memory_budget={units.nbytes(budget)} per device with checkpointing={policy!r}: "
+                f"recomputing every stage the peak is about {units.nbytes(peak)} ({peak} bytes). Raise the "
+                "budget, use more devices or a smaller batch" + ("" if policy == "full" else
+                                                                   ", or try checkpointing='auto' or 'full'"))
+        log.info("activation checkpointing (%s): %d regions, %s recomputed", policy, len(schedule.regions),
+                 units.seconds(schedule.recompute_time))
         return found, plan, (checkpoint_plan(chain, schedule, stages), peak)
 
     def memory_row(self, t: int) -> list[list[float]]:

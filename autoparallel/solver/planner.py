@@ -109,12 +109,16 @@ class Planner:
         Stage 1: the fastest plan; when its modelled peak is over budget, the memory at the
         steps where plans peak is priced into the objective (Lagrangian relaxation, at most
         ``max_rounds`` solves: :meth:`~.memory_search.MemorySearch.stage1`) until the fastest
-        fitting plan is found. When no sharding alone fits and ``checkpointing`` is ``"auto"``, stage 2
+        fitting plan is found. Under ``checkpointing="auto"``, when the fastest plan is over budget
+        and a sharding that fits costs more than recomputing on the fastest plan, that recomputation
+        wins (:meth:`_faster_with_recompute`); when no sharding alone fits, stage 2
         (:mod:`.remat`) picks activations to recompute on the plan of stage 1, re-solving stage 1 with a
         tighter allowance a bounded number of times until the recomputation schedule fits; ``"off"``
         raises instead; ``"full"`` recomputes every stage of the chain on the stage-1 plan (the fastest
-        fitting one, else the fastest) and raises when even that is over budget
-        (:meth:`~.memory_search.MemorySearch.full`). ``inspect``
+        fitting one, else the fastest), ``"selective"`` runs every stage selectively (matmul and
+        attention outputs kept), each raising when even that is over budget
+        (:meth:`~.memory_search.MemorySearch.every_stage`). Under ``"auto"`` stage 2 chooses per
+        stage among storing, selective and full recomputation. ``inspect``
         records what the summary, explain and plot read (``plan.inspection``: :meth:`_inspectable`;
         about a tenth of the planning time at Llama-3-8B scale); a plan priced only for its estimate skips it.
         ``built``: this planner's :meth:`build_problem`, when the caller already built it.
@@ -134,16 +138,20 @@ class Planner:
         found = search.stage1(memory_budget)
         t_stage1 = time.perf_counter() - t1
         checkpoint = plan = None
-        full_stages = chain_stages(self.memory.nodes) if checkpointing == "full" and self.memory is not None else {}
-        if full_stages:
-            found, plan, checkpoint = search.full(full_stages, found, memory_budget,
-                                                  lambda c: self.make_plan(c, built.edges), self._forward_s)
+        pinned = checkpointing in ("full", "selective") and self.memory is not None
+        every_stages = chain_stages(self.memory.nodes) if pinned else {}
+        if every_stages:
+            found, plan, checkpoint = search.every_stage(every_stages, found, memory_budget,
+                                                         lambda c: self.make_plan(c, built.edges), self._forward_s,
+                                                         checkpointing)
         elif found is None:
             stages = chain_stages(self.memory.nodes) if checkpointing == "auto" else {}
             if not stages:
                 raise InfeasiblePlanError(search.budget_message(memory_budget))
             found, plan, checkpoint = search.two_stage(stages, memory_budget, lambda c: self.make_plan(c, built.edges),
                                                        self._forward_s)
+        elif found[2] > 1 and checkpointing == "auto":
+            found, plan, checkpoint = self._faster_with_recompute(search, found, memory_budget, built)
         t_remat = time.perf_counter() - t1 - t_stage1
         choice, sol, rounds = found
         plan = plan or self.make_plan(choice, built.edges)
@@ -161,6 +169,23 @@ class Planner:
         if inspect:
             self._inspectable(plan, choice, built.edges)
         return plan
+
+    def _faster_with_recompute(self, search: MemorySearch, found, budget: int, built: GroupedProblem):
+        """``found`` (a stage-1 plan that fits ``budget`` by sharding more than the fastest plan)
+        or, when faster, the fastest plan with Rotor's recomputation within ``budget``
+        (:meth:`~.memory_search.MemorySearch.recompute`): a little recomputation often costs
+        less than the collectives of the sharding that avoids it. ``(found, plan, checkpoint)``
+        as :meth:`~.memory_search.MemorySearch.two_stage` returns them (``checkpoint`` ``None``
+        for ``found``)."""
+        plan = self.make_plan(found[0], built.edges)
+        stages = chain_stages(self.memory.nodes)
+        if not stages:
+            return found, plan, None
+        alt = search.recompute(search.fastest, stages, budget, lambda c: self.make_plan(c, built.edges),
+                               self._forward_s)
+        if isinstance(alt, tuple) and alt[1].estimate.step_time_s + alt[2][0].recompute_s < plan.estimate.step_time_s:
+            return alt
+        return found, plan, None
 
     def _inspectable(self, plan: Plan, choice, edges) -> None:
         """Record what the plan's summary, explain and plot read (:mod:`autoparallel.solver.inspect`):

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from ..graph import layers_of
 from ..plan import CheckpointPlan, CheckpointSchedule, Plan, Region, RegionSummary
+from ..runtime_kernels.recompute import SAVED_TARGETS
 from ..strategies import Strategy
 from ..tracer.annotate import node_info
 from .memory import MemoryModel
@@ -88,12 +89,16 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
     Returns:
         ``(chain, fixed)``: per stage forward/backward seconds and input, saved and
         transient bytes, and the parameter gradients each stage's backward allocates (those
-        of a parameter belong to the stage of its last use); ``fixed``: bytes live
-        throughout (parameters, optimizer states, inputs, values of nodes outside the chain).
+        of a parameter belong to the stage of its last use); for a selective run, the
+        outputs of the stage's ops in
+        :data:`~autoparallel.runtime_kernels.recompute.SAVED_TARGETS` that do not leave it
+        (bytes) and the forward seconds of its other ops and of every collective;
+        ``fixed``: bytes live throughout (parameters, optimizer states, inputs, values of
+        nodes outside the chain).
     """
     n_st = max(stages.values()) + 1
     step_stage = np.array([stages.get(n, -1) for n in memory.nodes])
-    fwd, bwd = np.zeros(n_st), np.zeros(n_st)
+    fwd, bwd, sel_time = np.zeros(n_st), np.zeros(n_st), np.zeros(n_st)
     for n, st in stages.items():
         np_ = plan.nodes.get(n.name)
         if np_ is None:
@@ -101,8 +106,9 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
         f = forward_s.get(n.name, 0.0) + np_.comm_s / 2
         fwd[st] += f
         bwd[st] += np_.compute_s + np_.comm_s - f
+        sel_time[st] += np_.comm_s / 2 if n.target in SAVED_TARGETS else f  # collectives are recomputed
     x = np.zeros(n_st + 1)
-    saved = np.zeros(n_st)
+    saved, sel = np.zeros(n_st), np.zeros(n_st)
     grad = np.zeros(n_st)
     fixed = 0
     n_fwd = len(memory.nodes)
@@ -135,6 +141,8 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 x[s0 + 1:s1 + 1] += b  # crosses into every stage up to its last user
             else:
                 transient[2 * s0].append((it.start, it.end, b))
+                if it.owner.target in SAVED_TARGETS:  # a selective run keeps it
+                    sel[s0] += b
         else:
             transient[2 * stages[it.owner] + 1].append((it.start, it.end, b))
     peaks = np.zeros(2 * n_st)
@@ -146,7 +154,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 events[e + 1] -= b
             peaks[k] = np.cumsum(events).max()
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
-                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2], grad=grad)
+                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2], grad=grad, sel=sel, sel_time=sel_time)
     return chain, int(fixed)
 
 
@@ -164,9 +172,12 @@ def checkpoint_plan(chain: Chain, schedule: Schedule, stages: dict[fx.Node, int]
     table = []
     for r in schedule.regions:
         span = slice(r.start, r.stop)
-        table.append(RegionSummary(f"{r.start}-{r.stop - 1}", _span_modules(stages, r), int(count[span].sum()),
-                                   int(chain.xbar[span].sum() - chain.x[r.start]),
-                                   float(chain.fwd_time[span].sum())))
+        if r.selective:
+            row = (max(0, int(chain.xbar[r.start] - chain.x[r.start] - chain.sel[r.start])), float(chain.sel_time[r.start]))
+        else:
+            row = (int(chain.xbar[span].sum() - chain.x[r.start]), float(chain.fwd_time[span].sum()))
+        table.append(RegionSummary(f"{r.start}-{r.stop - 1}", _span_modules(stages, r), int(count[span].sum()), *row,
+                                   "selective" if r.selective else "full"))
     every = checkpoint_every_stage(chain)
     return CheckpointPlan({n.name: int(s) for n, s in stages.items()}, tuple(schedule.regions), table,
                           float(schedule.recompute_time), float(schedule.peak_bytes),

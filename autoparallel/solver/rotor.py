@@ -10,13 +10,18 @@ The chain has ``L`` stages; stage ``i`` reads activation ``x[i]`` (bytes) and pr
 ``x[i + 1]``; run storing, it keeps ``xbar[i] - x[i]`` bytes for backward besides its
 input; its forward needs ``fwd_tmp[i]`` transient bytes, its backward ``bwd_tmp[i]``; the
 gradient of ``x[i]`` has the size of ``x[i]``. Times are ``fwd_time[i]``, ``bwd_time[i]``
-(seconds).
+(seconds). Run selectively (:mod:`autoparallel.runtime_kernels.recompute`: the outputs of
+matmuls and attention kept, the other ops recomputed), it keeps ``sel[i]`` bytes besides its
+input and its backward first recomputes for ``sel_time[i]`` seconds.
 
 Executing stages ``[s, t)`` given ``x[s]`` and the gradient of ``x[t]`` (``run(s, t)``)
 ends with only the gradient of ``x[s]`` live. Its first step is either
 
 * stage ``s`` run storing: forward ``s``, ``run(s + 1, t)`` with ``x[s]`` and the saved
-  bytes held, backward ``s``; or
+  bytes held, backward ``s``;
+* stage ``s`` run selectively (when the chain has ``sel``): the same with ``sel[s]`` bytes
+  held, and the recompute of ``sel_time[s]`` seconds before backward ``s``, whose peak is the
+  stored one (the recompute restores what storing keeps); or
 * a checkpoint region ``[s, k)``, ``k < t``: forward of ``s..k-1`` keeping only ``x[s]``
   and each stage's output until the next consumed it, ``run(k, t)`` with ``x[s]`` held,
   then the region's recompute ``run(s, k)`` (whose own regions are the nested ones).
@@ -26,7 +31,8 @@ end of the step: every peak inside ``run(s, t)`` includes those of stages ``t..`
 the backward of ``s`` those of ``s..``.
 
 ``C(s, t, m)``, the least time of ``run(s, t)`` whose peak stays within ``m`` memory
-slots, follows from these two options; a schedule is a tree of
+slots, follows from these options (the selective one is ours: a third choice per stage, the
+recurrence otherwise Rotor's); a schedule is a tree of
 :class:`~autoparallel.plan.Region`.
 """
 
@@ -53,7 +59,9 @@ class InfeasibleBudget(ValueError):
 class Chain:
     """Per-stage times (seconds) and sizes (bytes), arrays of length L (``x``: L + 1);
     ``grad``: bytes of parameter gradients each stage's backward produces (they stay live
-    to the end of the step, so stages ``i..`` hold ``grads_from[i]`` once past them).
+    to the end of the step, so stages ``i..`` hold ``grads_from[i]`` once past them);
+    ``sel``, ``sel_time``: bytes a stage run selectively keeps beside its input, and the
+    seconds its recompute takes (``None``: stages cannot run selectively).
 
     Raises:
         ValueError: on mismatched lengths or negative values.
@@ -66,6 +74,8 @@ class Chain:
     fwd_tmp: np.ndarray
     bwd_tmp: np.ndarray
     grad: np.ndarray | None = None
+    sel: np.ndarray | None = None
+    sel_time: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.fwd_time)
@@ -73,12 +83,15 @@ class Chain:
             object.__setattr__(self, "grad", np.zeros(n))
         # G[i]: parameter-gradient bytes of stages i.. (live once their backward has run)
         object.__setattr__(self, "grads_from", np.concatenate([np.cumsum(np.asarray(self.grad)[::-1])[::-1], [0.0]]))
-        for name in ("bwd_time", "xbar", "fwd_tmp", "bwd_tmp", "grad"):
+        if (self.sel is None) != (self.sel_time is None):
+            raise ValueError("Chain.sel and Chain.sel_time go together")
+        selective = ("sel", "sel_time") if self.sel is not None else ()
+        for name in ("bwd_time", "xbar", "fwd_tmp", "bwd_tmp", "grad") + selective:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Chain.{name} has {len(getattr(self, name))} entries, fwd_time {n}")
         if len(self.x) != n + 1:
             raise ValueError(f"Chain.x needs L + 1 = {n + 1} entries (stage inputs and the output), got {len(self.x)}")
-        for name in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp", "grad"):
+        for name in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp", "grad") + selective:
             if np.any(np.asarray(getattr(self, name)) < 0):
                 raise ValueError(f"Chain.{name} has negative entries")
         if np.any(np.asarray(self.xbar) < np.asarray(self.x[:n])):
@@ -142,7 +155,10 @@ def simulate(chain: Chain, regions) -> tuple[float, float]:
         if first is not None and (first.start < s or first.stop > t or first.stop <= first.start
                                   or (len(regs) > 1 and regs[1].start < first.stop)):
             raise ValueError(f"regions {regs[:2]} overlap, are empty or leave stages [{s}, {t})")
-        if first is not None and first.start == s:
+        selective = first is not None and first.start == s and first.selective
+        if selective and (chain.sel is None or first.stop != s + 1 or first.children):
+            raise ValueError(f"selective region {first}: one stage, no children, on a chain with Chain.sel")
+        if first is not None and first.start == s and not selective:
             k = first.stop
             for i in range(s, k):  # forward keeping only x[s] and the current output
                 peak = max(peak, outside + x[s] + x[t] + (x[i] if i > s else 0.0) + x[i + 1] + chain.fwd_tmp[i]
@@ -154,9 +170,9 @@ def simulate(chain: Chain, regions) -> tuple[float, float]:
         held = chain.xbar[s] - x[s]
         peak = max(peak, outside + x[s] + x[t] + x[s + 1] + chain.fwd_tmp[s] + g[t])
         time += chain.fwd_time[s]
-        run(s + 1, t, regs, outside + x[s] + held)
+        run(s + 1, t, regs[1:] if selective else regs, outside + x[s] + (chain.sel[s] if selective else held))
         peak = max(peak, outside + x[s] + held + x[s + 1] + x[s] + chain.bwd_tmp[s] + g[s])
-        time += chain.bwd_time[s]
+        time += chain.bwd_time[s] + (chain.sel_time[s] if selective else 0.0)
 
     run(0, len(chain), sorted(regions, key=lambda r: r.start), 0.0)
     return float(time), float(peak)
@@ -175,6 +191,8 @@ def min_budget(chain: Chain) -> float:
             t = s + length
             f, b = _store_peaks(chain, s, t)
             p = max(f, b, x[s] + chain.xbar[s] - x[s] + best[s + 1][t])
+            if chain.sel is not None:
+                p = min(p, max(f, b, x[s] + chain.sel[s] + best[s + 1][t]))
             for k in range(s + 1, t):
                 p = min(p, max(_region_forward_peak(chain, s, k, t), x[s] + best[k][t], best[s][k]))
             best[s][t] = p
@@ -182,6 +200,10 @@ def min_budget(chain: Chain) -> float:
 
 
 # ------------------------------------------------------------------ the dynamic program
+_STORE, _SELECTIVE = -1, -2
+"""First steps of ``run(s, t)`` in the DP's choice arrays besides a region's end ``k > s``."""
+
+
 def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
     """The fastest schedule of ``chain`` whose modelled peak stays within ``budget_bytes``.
 
@@ -189,7 +211,8 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
     rounded up, so the schedule found never exceeds the budget in the exact model (and
     may miss one that fits by less than a slot per term). ``C(s, t, ·)`` is a vector over
     memory slots; both options are evaluated for all memory values at once with numpy:
-    O(L³) vector operations (a 48-stage chain with 500 slots: well under a second).
+    O(L³) vector operations (a 48-stage chain with 500 slots: well under a second); the
+    selective option adds O(L²).
 
     Raises:
         InfeasibleBudget: when no schedule fits; it carries the smallest budget that does.
@@ -213,7 +236,7 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
     how: dict[tuple[int, int], np.ndarray] = {}
     for t in range(n + 1):
         cost[t, t] = np.where(m_axis >= q(2 * x[t] + chain.grads_from[t]), 0.0, inf)
-        how[t, t] = np.full(slots + 1, -1, dtype=np.int64)
+        how[t, t] = np.full(slots + 1, _STORE, dtype=np.int64)
 
     def shifted(vec: np.ndarray, by: int) -> np.ndarray:
         """``out[m] = vec[m - by]`` (inf where m - by < 0)."""
@@ -231,7 +254,14 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
             held = q(x[s] + chain.xbar[s] - x[s])
             best = shifted(cost[s + 1, t], held) + chain.fwd_time[s] + chain.bwd_time[s]
             best = np.where(m_axis >= q(max(f, b)), best, inf)
-            choice = np.full(slots + 1, -1, dtype=np.int64)
+            choice = np.full(slots + 1, _STORE, dtype=np.int64)
+            if chain.sel is not None:
+                cand = shifted(cost[s + 1, t], q(x[s] + chain.sel[s])) + chain.fwd_time[s] + chain.sel_time[s] \
+                    + chain.bwd_time[s]
+                cand = np.where(m_axis >= q(max(f, b)), cand, inf)
+                better = cand < best
+                best = np.where(better, cand, best)
+                choice = np.where(better, _SELECTIVE, choice)
             fwd_sum = 0.0
             for k in range(s + 1, t):
                 fwd_sum += chain.fwd_time[k - 1]
@@ -250,7 +280,12 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
         out = []
         while s < t:
             k = int(how[s, t][m])
-            if k < 0:
+            if k == _SELECTIVE:
+                out.append(Region(s, s + 1, selective=True))
+                m -= q(x[s] + chain.sel[s])
+                s += 1
+                continue
+            if k == _STORE:
                 m -= q(chain.xbar[s])
                 s += 1
                 continue
@@ -264,8 +299,10 @@ def solve(chain: Chain, budget_bytes: float, slots: int = 500) -> Schedule:
 
 # ------------------------------------------------------------------ baselines
 def _recompute(chain: Chain, regions) -> float:
-    """Extra forward seconds: each stage runs once more per region around it."""
-    return sum(float(np.sum(chain.fwd_time[r.start:r.stop])) + _recompute(chain, r.children) for r in regions)
+    """Extra forward seconds: each stage runs once more per region around it (a selective
+    stage only its recomputed ops)."""
+    return sum(float(chain.sel_time[r.start]) if r.selective else
+               float(np.sum(chain.fwd_time[r.start:r.stop])) + _recompute(chain, r.children) for r in regions)
 
 
 def _schedule(chain: Chain, regions) -> Schedule:
@@ -281,6 +318,15 @@ def no_checkpoint(chain: Chain) -> Schedule:
 def checkpoint_every_stage(chain: Chain) -> Schedule:
     """Each stage its own region: only stage inputs are kept through the forward."""
     return _schedule(chain, [Region(i, i + 1) for i in range(len(chain))])
+
+
+def selective_every_stage(chain: Chain) -> Schedule:
+    """Every stage run selectively (``checkpointing="selective"``).
+
+    Raises:
+        ValueError: ``chain`` has no ``sel`` (its stages cannot run selectively).
+    """
+    return _schedule(chain, [Region(i, i + 1, selective=True) for i in range(len(chain))])
 
 
 def chen_sqrt(chain: Chain) -> Schedule:
