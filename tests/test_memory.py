@@ -93,7 +93,7 @@ def test_budget_bounds_the_modelled_peak():
     peak = free.estimate.memory.peak_bytes
     budget = int(0.85 * peak)
     tight = autoparallel.plan(model, inputs, mesh_shape=(4,), cache_dir=False, memory_budget=budget)
-    assert tight.estimate.memory.peak_bytes <= budget < peak
+    assert tight.estimate.peak_memory_bytes <= budget < peak  # with recomputation where it is faster
     assert tight.estimate.step_time_s >= free.estimate.step_time_s
     assert tight.solver_stats.memory_rows >= 1
 
