@@ -1,4 +1,4 @@
-# autoparallel: make demo | make train-example | make test | make test-fast | make bench | make bench-speed | make clean
+# autoparallel: make demo | make train-example | make test | make test-fast | make bench | make bench-speed | make bench-memory | make clean
 
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: test test-fast demo train-example bench bench-speed clean venv
+.PHONY: test test-fast demo train-example bench bench-speed bench-memory clean venv
 
 venv: $(STAMP)
 
@@ -50,6 +50,10 @@ bench: $(STAMP)
 # step time and peak memory against DDP, FSDP2, Megatron TP and FSDP2+TP (torchrun, worlds 1, 2 and 4)
 bench-speed: $(STAMP)
 	$(PY) benchmarks/vs_torch.py
+
+# the same recipes and ZeRO-1, FSDP2 variants, checkpointing, offload under 0.4/0.6/0.8 x DDP's peak (worlds 2 and 4)
+bench-memory: $(STAMP)
+	$(PY) benchmarks/memory_bound.py
 
 clean:
 	rm -rf .venv

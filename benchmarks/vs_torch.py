@@ -32,9 +32,11 @@ built, so the variants built earlier do not count and what the variant keeps (pa
 buckets, optimizer states) does; on CPU, ``MemTracker`` (``torch.distributed._tools.mem_tracker``)
 over one more steady-state step: the module's parameters, gradients and optimizer states plus
 every tensor the step allocates through torch's dispatcher (buffers that c10d/gloo allocate
-internally are not seen). The ``loss0`` column is the step-0 loss of the global batch (the mean
-over the data-parallel ranks where each holds a share): every variant starts from the same
-weights and must match the eager model (``(!)`` where it does not).
+internally are not seen; DDP's gradient buckets, allocated by its reducer in C++, are counted: a
+backward before the tracked step leaves the gradients as views of them). The ``loss0`` column is
+the step-0 loss of the global batch (the mean over the data-parallel ranks where each holds a
+share): every variant starts from the same weights and must match the eager model (``(!)`` where
+it does not).
 
     python benchmarks/vs_torch.py                     # every model, worlds 1, 2 and 4: one table
     python benchmarks/vs_torch.py --quick             # tiny sizes, few steps (a smoke run)
@@ -100,12 +102,13 @@ def model_sizes(name: str, quick: bool) -> dict:
     raise ValueError(f"unknown model {name!r}; choose gpt2 or llama")
 
 
-def build_model(name: str, quick: bool):
-    """The model (seeded: the same weights on every rank and for every variant) and its sizes."""
+def build_model(name: str, quick: bool, sizes: dict | None = None):
+    """The model (seeded: the same weights on every rank and for every variant) and its sizes
+    (``sizes``, default :func:`model_sizes`)."""
     import transformers as T
 
     T.logging.set_verbosity_error()
-    s = model_sizes(name, quick)
+    s = sizes or model_sizes(name, quick)
     if name == "gpt2":
         cfg = T.GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], vocab_size=s["vocab"],
                            n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -123,11 +126,14 @@ def build_model(name: str, quick: bool):
     return model, s
 
 
+def layers(model):
+    """The ``nn.ModuleList`` of transformer blocks (what FSDP2 wraps one by one)."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
 def blocks(model):
-    """The transformer blocks (what FSDP2 wraps one by one)."""
-    if hasattr(model, "transformer"):
-        return list(model.transformer.h)
-    return list(model.model.layers)
+    """The transformer blocks, a list."""
+    return list(layers(model))
 
 
 def global_batch(s: dict, device) -> dict:
@@ -146,9 +152,11 @@ def rows_of(batch: dict, index: int, parts: int) -> dict:
 class Variant:
     """One way to train the model: module, optimizer, the batch this rank passes."""
 
-    def __init__(self, name, mesh, configs, module=None, batch=None, kind="recipe", na=None, mean_loss=False):
+    def __init__(self, name, mesh, configs, module=None, batch=None, kind="recipe", na=None, mean_loss=False,
+                 optimizer=None):
         self.name, self.mesh, self.configs, self.kind, self.na = name, mesh, configs, kind, na
         self.module, self.batch, self.mean_loss = module, batch, mean_loss
+        self.optimizer_factory = optimizer  # parameters -> optimizer; default AdamW
         self.optimizer = None
         self.estimate = None          # autoparallel: plan.estimate.step_time_s
         self.est_parts = {}           # autoparallel: compute_s, comm_s, peak_memory_bytes of the estimate
@@ -159,7 +167,8 @@ class Variant:
         self.error = None
 
     def make_optimizer(self):
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=LR)
+        make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
+        self.optimizer = make(self.module.parameters())
 
     def step(self, sync) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -198,6 +207,58 @@ def tp_na_reason(name: str, s: dict, tp: int) -> str | None:
     return None
 
 
+def ddp_module(model, dev):
+    """A copy of ``model`` under ``DistributedDataParallel``, gradients as views of its buckets."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(copy.deepcopy(model).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None,
+               gradient_as_bucket_view=True)
+
+
+def fsdp_module(model, dev, mesh, checkpoint=False, **options):
+    """A copy of ``model`` under FSDP2: ``fully_shard(block, mesh=mesh, **options)`` on every
+    transformer block, then on the root; with ``checkpoint``, every block first wrapped in
+    ``checkpoint_wrapper`` (its activations recomputed in the backward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    module = copy.deepcopy(model).to(dev)
+    if checkpoint:
+        stack = layers(module)
+        for i, block in enumerate(stack):
+            stack[i] = checkpoint_wrapper(block)
+    for block in blocks(module):
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(module, mesh=mesh, **options)
+    return module
+
+
+def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, **options) -> Variant:
+    """``autoparallelize`` on a copy of ``model`` with ``options`` and the cost model ``args``
+    names, every rank passing the global ``batch``; a failure is the row's ``na``, with the
+    error."""
+    v = Variant(name, mesh_label, [mesh_label], batch=batch, kind="autoparallel")
+    meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in batch.items()}
+    if args.cost_model != "default":
+        options["cost_model"] = autoparallel.CostModel(args.cost_model)
+    if args.no_cache:
+        options["cache_dir"] = False
+    t0 = time.perf_counter()
+    try:
+        v.module = autoparallel.autoparallelize(copy.deepcopy(model).to(batch["input_ids"].device), meta,
+                                                device_mesh=device_mesh, **options)
+    except Exception as e:  # noqa: BLE001  (reported in the table, the other rows still run)
+        v.na = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:600]}"
+    v.plan_s = time.perf_counter() - t0
+    if v.module is not None:
+        est = v.module.plan.estimate
+        v.estimate = float(est.step_time_s)
+        v.est_parts = {k: getattr(est, k) for k in ("compute_s", "comm_s", "peak_memory_bytes")}
+        v.est_parts["forward_collectives"] = len(v.module.plan.collectives)
+        v.est_parts["mesh_spec"] = v.module.plan.mesh.to_json()
+    return v
+
+
 def build_variants(args, model_name, model, s, batch, device_type, rank, world):
     """Every variant of this world size, built one at a time as the caller asks for the next
     (a generator, so that each is measured right after it is built); the model's own weights are
@@ -205,7 +266,6 @@ def build_variants(args, model_name, model, s, batch, device_type, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = batch["input_ids"].device
     if world == 1:
@@ -224,44 +284,15 @@ def build_variants(args, model_name, model, s, batch, device_type, rank, world):
         for name, parallelism in (("autoparallel", "auto"), ("autoparallel data", "data")):
             if world == 1 and parallelism == "data":
                 continue
-            v = Variant(name, labels[m], [labels[m]], batch=batch, kind="autoparallel")
-            meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in batch.items()}
-            kwargs = {}
-            if args.cost_model != "default":
-                kwargs["cost_model"] = autoparallel.CostModel(args.cost_model)
-            if args.no_cache:
-                kwargs["cache_dir"] = False
-            t0 = time.perf_counter()
-            try:
-                v.module = autoparallel.autoparallelize(copy.deepcopy(model).to(dev), meta,
-                                                        device_mesh=device_meshes[m], parallelism=parallelism,
-                                                        **kwargs)
-            except Exception as e:  # noqa: BLE001  (reported in the table, the other rows still run)
-                v.na = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            v.plan_s = time.perf_counter() - t0
-            if v.module is not None:
-                est = v.module.plan.estimate
-                v.estimate = float(est.step_time_s)
-                v.est_parts = {k: getattr(est, k) for k in ("compute_s", "comm_s", "peak_memory_bytes")}
-                v.est_parts["forward_collectives"] = len(v.module.plan.collectives)
-                v.est_parts["mesh_spec"] = v.module.plan.mesh.to_json()
-            yield v
+            yield autoparallel_variant(args, name, model, batch, device_meshes[m], labels[m], parallelism=parallelism)
     if world == 1:
         return
 
     # data parallel recipes over all ranks: each rank its share of the global batch
     local = rows_of(batch, rank, world)
-    ddp = DDP(copy.deepcopy(model).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None,
-              gradient_as_bucket_view=True)
-    yield Variant("DDP", f"({world},)", flat, ddp, local, mean_loss=True)
-    del ddp
-    fsdp = copy.deepcopy(model).to(dev)
-    flat_mesh = device_meshes[(world,)]
-    for block in blocks(fsdp):
-        fully_shard(block, mesh=flat_mesh)
-    fully_shard(fsdp, mesh=flat_mesh)
-    yield Variant("FSDP2", f"({world},)", flat, fsdp, local, mean_loss=True)
-    del fsdp
+    yield Variant("DDP", f"({world},)", flat, ddp_module(model, dev), local, mean_loss=True)
+    yield Variant("FSDP2", f"({world},)", flat, fsdp_module(model, dev, device_meshes[(world,)]), local,
+                  mean_loss=True)
 
     # Megatron TP over all ranks (every rank the global batch)
     reason = tp_na_reason(model_name, s, world)
@@ -298,19 +329,32 @@ def sync(dev):
 # --------------------------------------------------------------------------- measuring
 
 def measure_peak_cpu(v: Variant) -> int:
+    """The peak bytes MemTracker records over one more step of ``v`` (warmed up, optimizer
+    states present)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if isinstance(v.module, DDP):
+        # DDP's reducer keeps every gradient in buckets it allocates in C++, for the module's
+        # lifetime, which MemTracker does not see (it would count a bucket only once a gradient
+        # hook fires, after the peak at the start of the backward): a backward outside the
+        # tracker leaves the gradients as views of the buckets, zeroed rather than freed, so that
+        # the tracker counts them from the start
+        v.module(**v.batch).loss.backward()
+        v.optimizer.zero_grad(set_to_none=False)
     tracker = MemTracker()
-    tracker.track_external(v.module, v.optimizer, *v.batch.values())
+    # ZeroRedundancyOptimizer holds its shard's states in the optimizer it wraps
+    tracker.track_external(v.module, getattr(v.optimizer, "optim", v.optimizer), *v.batch.values())
     with tracker:
         v.step(lambda: None)
     snap = tracker.get_tracker_snapshot("peak")
     return int(sum(d.get("Total", 0) for d in snap.values()))
 
 
-def run_worker(args) -> list[dict] | None:
-    """One torchrun job: every model of ``--models`` in turn on this world size; the results on
-    rank 0 (``None`` on the others)."""
+def run_worker(args, run_model_fn=None) -> list[dict] | None:
+    """One torchrun job: every model of ``--models`` in turn on this world size, each measured
+    by ``run_model_fn`` (default :func:`run_model`); the results on rank 0 (``None`` on the
+    others)."""
     backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
     device_type = "cuda" if backend == "nccl" else "cpu"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -326,7 +370,7 @@ def run_worker(args) -> list[dict] | None:
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     results = []
     for name in args.models.split(","):
-        results.append(run_model(args, name, dev, rank, world))
+        results.append((run_model_fn or run_model)(args, name, dev, rank, world))
         gc.collect()
         if device_type == "cuda":
             torch.cuda.empty_cache()
@@ -336,17 +380,26 @@ def run_worker(args) -> list[dict] | None:
 
 
 def run_model(args, model_name, dev, rank, world) -> dict:
-    device_type, do_sync = dev.type, sync(dev)
     model, s = build_model(model_name, args.quick)
     batch = global_batch(s, dev)
     with torch.no_grad():
         ref_loss = float(copy.deepcopy(model).to(dev)(**batch).loss.item())
+    variants = build_and_measure(build_variants(args, model_name, model, s, batch, dev.type, rank, world), args, dev)
+    time_rounds(variants, args, dev, world)
+    return dict(job_record(args, model_name, s, dev, world), ref_loss=ref_loss,
+                variants=[variant_record(v) for v in variants])
 
-    # build and warm up one variant after the other; peak memory is measured here: on CUDA from
-    # before the variant is built (the ones built earlier stay constant) through its warm-up steps,
-    # the peak counter reset after building (a full copy of the model may pass through the
-    # device while a variant is built, which is not a training step's memory)
-    variants, builder = [], build_variants(args, model_name, model, s, batch, device_type, rank, world)
+
+def build_and_measure(builder, args, dev) -> list[Variant]:
+    """Take the variants ``builder`` yields one at a time: give each its optimizer, warm it up
+    and measure its peak memory before the next is built (so that a generator can read a
+    variant's peak, gathered over ranks with :func:`max_over_ranks`, before it builds the
+    next). Peak memory: on CUDA from before the variant is built (the ones built earlier stay
+    constant) through its warm-up steps, the peak counter reset after building (a full copy of
+    the model may pass through the device while a variant is built, which is not a training
+    step's memory); on CPU :func:`measure_peak_cpu`, this rank's."""
+    device_type, do_sync = dev.type, sync(dev)
+    variants = []
     while True:
         gc.collect()
         if device_type == "cuda":
@@ -354,7 +407,7 @@ def run_model(args, model_name, dev, rank, world) -> dict:
             before = torch.cuda.memory_allocated()
         v = next(builder, None)
         if v is None:
-            break
+            return variants
         variants.append(v)
         if v.module is None:
             continue
@@ -373,9 +426,22 @@ def run_model(args, model_name, dev, rank, world) -> dict:
                 v.peak_bytes = measure_peak_cpu(v)
             except Exception as e:  # noqa: BLE001  (reported in the notes)
                 v.error = f"MemTracker: {type(e).__name__}: {e}"
-    live = [v for v in variants if v.module is not None]
 
-    # interleaved rounds
+
+def max_over_ranks(values, dev) -> list[float]:
+    """The largest of each value over the ranks (one all-reduce)."""
+    t = torch.tensor([float(x) for x in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_rounds(variants: list[Variant], args, dev, world) -> None:
+    """Time the built variants in interleaved rounds (each round ``args.steps`` steps of every
+    variant in turn, the order rotating from round to round), then keep on every variant the
+    slowest rank's time of each round, the largest rank's peak and, where ranks hold shares of
+    the batch, the mean step-0 loss."""
+    do_sync = sync(dev)
+    live = [v for v in variants if v.module is not None]
     for r in range(args.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for v in order:
@@ -388,43 +454,46 @@ def run_model(args, model_name, dev, rank, world) -> dict:
                 fbs.append(fb)
             v.step_s.append(statistics.fmean(steps))
             v.fb_s.append(statistics.fmean(fbs))
+    if not live:
+        return
+    t = torch.tensor([[*v.step_s, *v.fb_s] for v in live], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    peaks = max_over_ranks([v.peak_bytes or 0 for v in live], dev)
+    losses = torch.tensor([v.loss0 for v in live], dtype=torch.float64, device=dev)
+    dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+    for i, v in enumerate(live):
+        row = t[i].tolist()
+        v.step_s, v.fb_s = row[:args.rounds], row[args.rounds:]
+        v.peak_bytes = int(peaks[i]) if v.peak_bytes is not None else None
+        if v.mean_loss:
+            v.loss0 = float(losses[i].item()) / world
+        # else every rank computed the loss of the global batch (checked equal below on rank 0)
 
-    # the slowest rank of every round, the largest peak, the mean step-0 loss where ranks hold shards
-    if live:
-        t = torch.tensor([[*v.step_s, *v.fb_s] for v in live], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        peaks = torch.tensor([float(v.peak_bytes or 0) for v in live], dtype=torch.float64, device=dev)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        losses = torch.tensor([v.loss0 for v in live], dtype=torch.float64, device=dev)
-        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-        for i, v in enumerate(live):
-            row = t[i].tolist()
-            v.step_s, v.fb_s = row[:args.rounds], row[args.rounds:]
-            v.peak_bytes = int(peaks[i].item()) if v.peak_bytes is not None else None
-            if v.mean_loss:
-                v.loss0 = float(losses[i].item()) / world
-            # else every rank computed the loss of the global batch (checked equal below on rank 0)
 
-    result = {
-        "model": model_name, "world": world, "device": torch.cuda.get_device_name() if device_type == "cuda"
+def job_record(args, model_name, s, dev, world) -> dict:
+    """What a job's result says of where and how it measured."""
+    return {
+        "model": model_name, "world": world, "device": torch.cuda.get_device_name() if dev.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads per process)",
-        "backend": dist.get_backend(), "sizes": s, "ref_loss": ref_loss, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if device_type == "cuda" else "MemTracker",
-        "cost_model": args.cost_model,
-        "variants": [{
-            "name": v.name, "mesh": v.mesh, "configs": v.configs, "kind": v.kind, "na": v.na,
-            "step_s": statistics.median(v.step_s) if v.step_s else None,
-            "fwd_bwd_s": statistics.median(v.fb_s) if v.fb_s else None,
-            "rounds_step_s": v.step_s, "estimate_s": v.estimate, "estimate_parts": v.est_parts,
-            "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error,
-        } for v in variants],
-    }
-    return result
+        "backend": dist.get_backend(), "sizes": s, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
+        "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "MemTracker",
+        "cost_model": args.cost_model}
+
+
+def variant_record(v: Variant) -> dict:
+    """One variant's measurements, as the JSON output keeps them."""
+    return {
+        "name": v.name, "mesh": v.mesh, "configs": v.configs, "kind": v.kind, "na": v.na,
+        "step_s": statistics.median(v.step_s) if v.step_s else None,
+        "fwd_bwd_s": statistics.median(v.fb_s) if v.fb_s else None,
+        "rounds_step_s": v.step_s, "estimate_s": v.estimate, "estimate_parts": v.est_parts,
+        "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error}
 
 
 # --------------------------------------------------------------------------- the table
 
-def _fmt_s(x):
+def fmt_s(x):
+    """Seconds as ms below 10 s; empty for None."""
     return "" if x is None else f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.1f} s"
 
 
@@ -460,7 +529,7 @@ def table(results: list[dict]) -> str:
                 t, fb, est = v["step_s"], v["fwd_bwd_s"], v["estimate_s"]
                 ok_loss = abs(v["loss0"] - res["ref_loss"]) <= 1e-4 * abs(res["ref_loss"]) + 1e-5
                 rows.append([
-                    res["model"], cfg, v["name"], v["mesh"], _fmt_s(t), _fmt_s(fb), _fmt_s(t - fb), _fmt_s(est),
+                    res["model"], cfg, v["name"], v["mesh"], fmt_s(t), fmt_s(fb), fmt_s(t - fb), fmt_s(est),
                     f"{est / t:.2f}" if est and t else "",
                     f"{v['peak_bytes'] / 2**20:.1f}" if v["peak_bytes"] else "?",
                     f"{v['loss0']:.4f}" + ("" if ok_loss else " (!)"),
@@ -474,8 +543,8 @@ def table(results: list[dict]) -> str:
                     notes.append(f"{res['model']} {v['name']} {v['mesh']}: {v['error']}")
                 if est and t:
                     err = est / t - 1
-                    checks.append(f"{res['model']} {cfg}: {v['name']} estimate {_fmt_s(est)} vs measured step "
-                                  f"{_fmt_s(t)} ({100 * err:+.0f}%; target within 25%: "
+                    checks.append(f"{res['model']} {cfg}: {v['name']} estimate {fmt_s(est)} vs measured step "
+                                  f"{fmt_s(t)} ({100 * err:+.0f}%; target within 25%: "
                                   f"{'OK' if abs(err) <= 0.25 else 'MISSED'})")
             by = {v["name"]: v for v in vs if v["step_s"]}
             if "autoparallel data" in by and ddp:
@@ -528,10 +597,11 @@ def table(results: list[dict]) -> str:
 
 # --------------------------------------------------------------------------- driver
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2 and/or llama")
-    ap.add_argument("--worlds", default="1,2,4", help="driver: comma-separated world sizes (1, 2, 4)")
+def arg_parser(description: str, models: str = "gpt2,llama", worlds: str = "1,2,4") -> argparse.ArgumentParser:
+    """The options every benchmark built on this script's machinery takes (a caller may add its own)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--models", default=models, help="comma-separated: gpt2 and/or llama")
+    ap.add_argument("--worlds", default=worlds, help="driver: comma-separated world sizes (1, 2, 4)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke run)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 3, quick 1)")
@@ -543,7 +613,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-cache", action="store_true", help="plan with cache_dir=False")
     ap.add_argument("--json", default=None, help="write the results (a list of jobs) to this file")
     ap.add_argument("--timeout", type=float, default=3600, help="driver: seconds per torchrun job")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def finish_args(args):
+    """Fill in the defaults that depend on ``--quick``."""
     if args.rounds is None:
         args.rounds = 2 if args.quick else 7
     if args.steps is None:
@@ -554,7 +628,12 @@ def parse_args(argv=None):
     return args
 
 
-def _passthrough(args) -> list[str]:
+def parse_args(argv=None):
+    return finish_args(arg_parser(__doc__.splitlines()[0]).parse_args(argv))
+
+
+def worker_argv(args) -> list[str]:
+    """The options the driver passes on to each torchrun job."""
     out = ["--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device, "--cost-model", args.cost_model]
     if args.quick:
@@ -566,14 +645,15 @@ def _passthrough(args) -> list[str]:
     return out
 
 
-def drive(args) -> int:
-    """One torchrun job per world size (every model inside it), then one table."""
+def drive(args, script=__file__, passthrough=worker_argv, render=None) -> int:
+    """One torchrun job per world size of ``script`` (every model inside it; its worker options
+    ``passthrough(args)``), then one table, ``render(results)`` (default :func:`table`)."""
     results, failed = [], []
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                   os.path.abspath(__file__), "--json", out, *_passthrough(args)]
+                   os.path.abspath(script), "--json", out, *passthrough(args)]
             print(f"[{time.strftime('%H:%M:%S')}] world {world}: torchrun {' '.join(cmd[3:])}", flush=True)
             t0 = time.perf_counter()
             try:
@@ -593,7 +673,7 @@ def drive(args) -> int:
     order = args.models.split(",")
     results.sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order), r["world"]))
     print()
-    print(table(results), flush=True)
+    print((render or table)(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -604,22 +684,28 @@ def drive(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_script(parse_args(argv))
+
+
+def run_script(args, run_model_fn=None, render=None, passthrough=worker_argv, script=__file__) -> int:
+    """In a torchrun worker, this world size's job (:func:`run_worker`); else the driver
+    (:func:`drive`). A benchmark built on this machinery passes its own ``run_model_fn``,
+    ``render`` (a table from a list of job results), worker options and script."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: this world size
-        res = run_worker(args)
+        res = run_worker(args, run_model_fn)
         if res is not None:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)
             else:
-                print(table(res), flush=True)
+                print((render or table)(res), flush=True)
         # Past the process group's teardown, skip interpreter finalization: gloo's worker threads
         # can abort it ("terminate called without an active exception", pytorch#179291), which
         # torchrun would report as a failed job after every result was written.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return drive(args)
+    return drive(args, script, passthrough, render)
 
 
 if __name__ == "__main__":

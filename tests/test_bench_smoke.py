@@ -50,3 +50,44 @@ def test_vs_torch_quick_two_processes(tmp_path):
             if name.startswith("autoparallel"):
                 assert v["estimate_s"] > 0, (model, name, v)
     assert "autoparallel data / DDP" in text and "autoparallel / best recipe" in text
+
+
+MEMORY_BOUND = os.path.join(ROOT, "benchmarks", "memory_bound.py")
+MB_RECIPES = ["DDP", "DDP+ZeRO-1", "FSDP2", "FSDP2 no-reshard", "FSDP2+AC", "FSDP2+offload"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_memory_bound_quick_two_processes(tmp_path):
+    """``benchmarks/memory_bound.py --quick`` on 2 gloo processes, one budget (0.8 x DDP's peak):
+    DDP's peak sets it, every recipe has a step, a peak and the model's step-0 loss, the offload
+    row's device bytes are its peak less what it keeps on the host, and autoparallel's row is
+    measured with its modelled peak (or says why no plan fits). Timings are not checked."""
+    out = tmp_path / "membound.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, MEMORY_BOUND, "--quick", "--worlds", "2", "--fractions", "0.8",
+                           "--rounds", "1", "--cost-model", "cpu", "--json", str(out)], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=270)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    text = proc.stdout
+    for col in ("budget MiB", "device MiB", "fits", "modelled MiB", "model/meas", "vs fastest fitting"):
+        assert col in text, text
+    (job,) = json.loads(out.read_text())
+    assert job["world"] == 2 and job["ddp_peak_bytes"] > 0
+    assert job["budgets"] == {"0.8": int(0.8 * job["ddp_peak_bytes"])}
+    assert 0 < job["host_bytes"] < job["ddp_peak_bytes"]
+    rows = {v["name"]: v for v in job["variants"]}
+    assert list(rows) == MB_RECIPES + ["autoparallel 0.8"], list(rows)
+    for name in MB_RECIPES:
+        v = rows[name]
+        assert v["na"] is None and v["error"] is None, (name, v)
+        assert v["step_s"] > 0 and v["peak_bytes"] > 0, (name, v)
+        assert abs(v["loss0"] - job["ref_loss"]) <= 1e-4 * abs(job["ref_loss"]), (name, v["loss0"], job["ref_loss"])
+    auto = rows["autoparallel 0.8"]
+    if auto["na"]:
+        assert "InfeasiblePlanError" in auto["na"], auto["na"]
+    else:
+        assert auto["step_s"] > 0 and auto["peak_bytes"] > 0 and auto["estimate_parts"]["peak_memory_bytes"] > 0
+        assert auto["estimate_parts"]["memory_budget_bytes"] == job["budgets"]["0.8"]
+        assert "autoparallel measured peak" in text
