@@ -151,6 +151,7 @@ class Config:
     or fp32: no policy, the model's own dtypes"""
     memory_budget: Annotated[Union[int, float, str, None], _arg("memory_budget")] = _option("memory_budget")
     checkpointing: Annotated[Literal[CHECKPOINTING], _arg("checkpointing")] = _option("checkpointing")
+    offload: Annotated[bool, _arg("offload")] = _option("offload")
     outputs: Annotated[Literal[OUTPUTS], _arg("outputs")] = _option("outputs")
     inputs: Annotated[Literal[INPUTS], _arg("inputs")] = _option("inputs")
     cost_model: str = "auto"

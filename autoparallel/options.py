@@ -65,6 +65,9 @@ class PlanOptions:
             ``"selective"``: every stage keeps the outputs of its matmuls and attention and
             recomputes the other ops (:mod:`autoparallel.runtime_kernels.recompute`). Under
             ``"auto"`` the schedule chooses per stage among the three.
+        offload: when no plan fits ``memory_budget`` otherwise, let parameters sharded over
+            every mesh axis be held in host memory with their gradients and optimizer states,
+            stepped there (:mod:`autoparallel.strategies.offload`); ``False``: never.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'
@@ -113,6 +116,7 @@ class PlanOptions:
     baselines: bool = False
     replicate_buffers: bool = False
     inputs: str = "global"
+    offload: bool = True
 
     def __post_init__(self):
         _check(self)
@@ -152,15 +156,14 @@ class PlanOptions:
                "share_layers": self.share_layers, "memory_budget": budget, "optimizer": self.optimizer,
                "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
                "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
-               "inputs": self.inputs,
-                "checkpointing": self.checkpointing}
+               "inputs": self.inputs, "checkpointing": self.checkpointing, "offload": self.offload}
 
 
 def _check(o: PlanOptions) -> None:
     """The checks of :class:`PlanOptions` (raises as its docstring lists)."""
     if o.cost_model is not None and not isinstance(o.cost_model, CostModel):
         raise TypeError(f"cost_model must be an autoparallel.CostModel (or None for the default), not {o.cost_model!r}")
-    for name in ("strict", "share_layers", "stamp_layers", "baselines", "replicate_buffers"):
+    for name in ("strict", "share_layers", "stamp_layers", "baselines", "replicate_buffers", "offload"):
         if not isinstance(getattr(o, name), bool):
             raise TypeError(f"{name} must be True or False, not {getattr(o, name)!r}")
     if o.solver not in SOLVERS:

@@ -318,6 +318,9 @@ class Plan:
         inspection: what the summary, explain and plot read (:class:`~autoparallel.results.Inspection`).
         inputs: what each rank passes, one of :data:`INPUTS`; plans saved without the field
             are ``"global"``, as they were made.
+        offloaded: names of the parameters held in host memory with their gradients and
+            optimizer states (:mod:`autoparallel.strategies.offload`); empty in plans saved
+            without the field.
     """
 
     mesh: MeshSpec
@@ -331,6 +334,7 @@ class Plan:
     mp_policy: MixedPrecisionPolicy | None = None
     inspection: Inspection = field(default_factory=Inspection)
     inputs: str = "global"
+    offloaded: tuple[str, ...] = ()
 
     @property
     def collectives(self) -> list[dict]:
@@ -408,6 +412,7 @@ class Plan:
             "mp_policy": precision.policy_to_json(self.mp_policy),
             "inspection": self.inspection.to_json(),
             "inputs": self.inputs,
+            "offloaded": list(self.offloaded),
         })
 
     @classmethod
@@ -426,7 +431,8 @@ class Plan:
             raise ValueError(f"a plan must be JSON text: {e}") from None
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
-        _fields(d, _PLAN_FIELDS, "plan", optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs"))
+        _fields(d, _PLAN_FIELDS, "plan",
+                optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs", "offloaded"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
@@ -463,6 +469,9 @@ class Plan:
         for k, v in d["param_placements"].items():
             params[k] = _spec(v, "param_placements", k)
             _check_len(params[k], mesh, "param_placements", k)
+        offloaded = d.get("offloaded", [])
+        _check(isinstance(offloaded, list) and all(isinstance(k, str) and k in params for k in offloaded), "plan",
+               "offloaded", "a list of names in param_placements", offloaded)
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
@@ -471,7 +480,7 @@ class Plan:
             recompute = checkpoint.recompute_s if checkpoint else 0.0
             estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
         return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
-                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs)
+                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs, tuple(offloaded))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -483,7 +492,7 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy", "inspection", "inputs")
+                "outputs", "mp_policy", "inspection", "inputs", "offloaded")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

@@ -306,7 +306,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     one-device mesh, per op (:func:`_dtensor_op_overhead`). Attention efficiency:
     ``scaled_dot_product_attention`` forward and backward on ``[4, 8, 256, 64]`` (fp32 on a CPU,
     bf16 elsewhere), its FLOP/s over the matmul rate of that dtype
-    (:func:`_attention_efficiency`). Step efficiency: a reference training step timed against
+    (:func:`_attention_efficiency`). Host link and host memory: :func:`_host_rates`. Step
+    efficiency: a reference training step timed against
     what the roofline of these rates predicts for it (:func:`_step_efficiency`). Each rate is the median of 3
     samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
     so processes that share cores (4 ranks on 2 cores) measure their share and not a lucky
@@ -357,10 +358,23 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
         together()
         measured.append(phase())
     bw, overhead, dtensor, attention = measured
+    link, host_bw = _host_rates(device, bw, share)
     rates = DevicePreset(f"measured {_device_name(device.type)}", fp32, half, bw, float(memory), overhead, dtensor,
-                         attention)
+                         attention, host_link_bw=link, host_mem_bw=host_bw)
     together()
     return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates))
+
+
+def _host_rates(device: torch.device, device_bw: float, seconds: float) -> tuple[float, float]:
+    """``(host_link_bw, host_mem_bw)`` in bytes/s: a 64 MiB copy from pinned host memory to
+    ``device`` and the host's memory rate (:func:`_memory_rate`); on a CPU, host and device are
+    one memory, whose copy moves two bytes per byte copied (``device_bw / 2``, ``device_bw``)."""
+    if device.type == "cpu":
+        return device_bw / 2, device_bw
+    src = torch.empty(2**24, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    link = src.nbytes / _median_time(lambda: dst.copy_(src, non_blocking=True), device)
+    return link, _memory_rate(torch.device("cpu"), seconds, 1)
 
 
 def _median_time(fn, device: torch.device, repeats: int = 3) -> float:

@@ -136,6 +136,9 @@ def _memory(plan: "Plan") -> str:
     line += f", in the {mem.phase}: {parts}"
     if plan.checkpoint:
         line += f" (before recomputation {units.nbytes(mem.peak_bytes)})"
+    if plan.offloaded:
+        line += (f"; {len(plan.offloaded)} parameters held in host memory with their gradients and optimizer "
+                 "states, stepped there")
     return line
 
 
@@ -248,7 +251,8 @@ def _parameters(plan: "Plan") -> str:
         spec = plan.param_placements.get(names[0])
         if spec is None:
             continue
-        key = (key_name, named(plan, spec), parameter_use(plan, node_name), tuple(node.out_shapes[0]),
+        where = " in host memory" if names[0] in plan.offloaded else ""
+        key = (key_name, named(plan, spec) + where, parameter_use(plan, node_name), tuple(node.out_shapes[0]),
                tuple(fold(t)[0] for t in names[1:]))
         if key not in groups:
             order.append(key)

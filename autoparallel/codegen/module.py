@@ -556,7 +556,7 @@ def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) 
     for tid, (orig, names) in groups.items():
         target = target_of.get(tid)
         spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
-        dt = _distribute(orig, device_mesh, spec, as_dtensor=plan.holds_dtensors)
+        dt = _distribute(orig, device_mesh, spec, as_dtensor=plan.holds_dtensors, on_host=target in plan.offloaded)
         if isinstance(orig, nn.Parameter):
             value = nn.Parameter(dt, requires_grad=orig.requires_grad)
             retire(orig, names[0])
@@ -566,16 +566,20 @@ def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) 
             set_attr(model, name, value, persistent=name not in transient)
 
 
-def _distribute(tensor: torch.Tensor, device_mesh, spec, as_dtensor: bool = True) -> torch.Tensor:
+def _distribute(tensor: torch.Tensor, device_mesh, spec, as_dtensor: bool = True, on_host: bool = False) -> torch.Tensor:
     """``tensor`` (rank 0's values) as a DTensor of placements ``spec``, or (``as_dtensor``
     false; ``spec`` replicated) as this device's plain copy; under simulated ranks its local
     shards are LocalTensors. The global shape is given: shards split unevenly (``torch.chunk``
-    pieces) differ in size and would not tell it."""
+    pieces) differ in size and would not tell it. ``on_host``: the local shard is kept in
+    (pinned) host memory, as FSDP2's ``CPUOffloadPolicy`` keeps it (a parameter the plan
+    offloads; a no-op on a CPU mesh)."""
     dt = distribute_tensor(tensor.detach().to(device_mesh.device_type), device_mesh, list(spec))
+    local = per_rank(dt.to_local())
+    if on_host and local.device.type != "cpu":
+        local = local.cpu().pin_memory()
     if not as_dtensor:
-        return per_rank(dt.to_local())
-    return DTensor.from_local(per_rank(dt.to_local()), device_mesh, list(spec), run_check=False,
-                              shape=dt.shape, stride=dt.stride())
+        return local
+    return DTensor.from_local(local, device_mesh, list(spec), run_check=False, shape=dt.shape, stride=dt.stride())
 
 
 def _shard_plain_tensors(module: ParallelModule, state_dict, prefix, *args) -> None:

@@ -46,7 +46,7 @@ from ..graph import output_leaves, tensor_inputs
 from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
                          shard_axes, uneven_dims)
 from ..plan import Move, Plan
-from ..runtime_kernels import param_all_gather, param_local, reduce_grads_in_bucket, returned
+from ..runtime_kernels import onto_device, param_all_gather, param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
 from .grad_buckets import DEFAULT_BUCKET_CAP_BYTES, grad_buckets
 
@@ -298,8 +298,10 @@ class _PerDeviceGraph:
     """The steps of :func:`apply_plan`; one instance per call (arguments as there)."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
-                 param_targets: set[str], world_size: int, traced_on: str, bucket_cap_bytes: int):
+                 param_targets: set[str], world_size: int, traced_on: str, bucket_cap_bytes: int,
+                 offloaded: frozenset[str]):
         self.gm, self.plan, self.device, self.traced_on = gm, plan, device, traced_on
+        self.offloaded = offloaded
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_targets, self.world_size = param_targets, world_size
         self.graph = fx.Graph()
@@ -332,6 +334,8 @@ class _PerDeviceGraph:
                 continue
             self.names[attr] = f"{node.name}_dtensor"
             self.env[node] = self.graph.call_function(param_local, (attr,))
+            if node.target in self.offloaded:  # held in host memory: its shard copied to the device
+                self.env[node] = self.graph.call_function(onto_device, (self.env[node], self.device))
         for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes):
             groups = tuple(self.groups[a] for a in b.axes)
             since = _tail(self.graph)
@@ -563,7 +567,7 @@ def _op_name(n: fx.Node) -> str:
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                param_targets: set[str], world_size: int, traced_on: str = "meta",
-               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> fx.Graph:
+               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, offloaded: frozenset[str] = frozenset()) -> fx.Graph:
     """Build the per-device graph for ``plan`` (module docstring).
 
     Args:
@@ -576,12 +580,14 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
         world_size: number of devices in the mesh.
         traced_on: device type the graph was captured on; its ``device=`` arguments move to ``device``.
         bucket_cap_bytes: the largest gradient bucket in bytes per device (:func:`grad_buckets`).
+        offloaded: ``get_attr`` targets of parameters held in host memory (``plan.offloaded``):
+            their shards are copied to ``device`` where read (:func:`~autoparallel.runtime_kernels.onto_device`).
 
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
     """
     return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on,
-                           bucket_cap_bytes).build()
+                           bucket_cap_bytes, offloaded).build()
 
 
 def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:

@@ -30,8 +30,9 @@ def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.Gr
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])
     targets = set(traced.params) | set(traced.buffers)
+    offloaded = frozenset(t for t, names in traced.params.items() if set(names) & set(plan.offloaded))
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
-                       traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes)
+                       traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes, offloaded=offloaded)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
     apply_rewrites(graph, traced.gm.graph, plan)  # the registry the memory model reads too
     gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)

@@ -46,6 +46,14 @@ def param_local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def onto_device(shard: torch.Tensor, device: str) -> torch.Tensor:
+    """A host-offloaded parameter's local ``shard`` copied to ``device`` (the device type the
+    module runs on; its current device). The copy's backward moves the gradient back to the
+    host, where the optimizer steps the parameter (:mod:`autoparallel.strategies.offload`).
+    On a CPU the shard is already where it is used and is returned as is."""
+    return shard.to(device, non_blocking=True)
+
+
 class _ReducedOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, copies):

@@ -80,6 +80,10 @@ class DevicePreset:
         attention_efficiency: the FLOP/s ``scaled_dot_product_attention`` achieves, forward
             and backward together, as a fraction of the matmul peak of its dtype (its fused
             kernels run softmax and masking between the products, below GEMM rates).
+        host_link_bw: bytes/s of a copy between host and device memory, each way (a
+            host-offloaded parameter's shard to the device, its gradient back).
+        host_mem_bw: bytes/s of host memory, where a host-offloaded parameter's optimizer
+            step runs.
         step_efficiency: what a training step's ops achieve in place, as a fraction of what
             the roofline of the other rates predicts for them: measured rates come from
             kernels repeated on warm operands, while in a step each op reads what earlier ops
@@ -102,11 +106,14 @@ class DevicePreset:
     dtensor_op_overhead: float = 0.0
     attention_efficiency: float = 1.0
     step_efficiency: float = 1.0
+    host_link_bw: float = 25e9
+    host_mem_bw: float = 1e11
 
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"DevicePreset: name must be a string, not {self.name!r}")
-        for what in ("flops_fp32", "flops_half", "mem_bw", "memory", "attention_efficiency", "step_efficiency"):
+        for what in ("flops_fp32", "flops_half", "mem_bw", "memory", "attention_efficiency", "step_efficiency",
+                     "host_link_bw", "host_mem_bw"):
             v = getattr(self, what)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
@@ -131,8 +138,9 @@ class DevicePreset:
         """
         names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead",
                  "attention_efficiency", "step_efficiency")
-        if not isinstance(d, dict) or set(d) != set(names):
-            raise ValueError(f"a device preset must be an object with the fields {names}, not {d!r}")
+        host = ("host_link_bw", "host_mem_bw")  # absent from presets saved before host offload
+        if not isinstance(d, dict) or not set(names) <= set(d) <= set(names + host):
+            raise ValueError(f"a device preset must be an object with the fields {names + host}, not {d!r}")
         try:
             return cls(**d)
         except TypeError as e:
@@ -159,15 +167,19 @@ class DevicePreset:
 # small head dims: the GPU presets take 0.5. The cpu preset's 0.4 is what calibrate_device
 # measured on the 2-core test VM (torch 2.13's flash kernel for CPU, fp32: 70-90 GFLOP/s forward
 # and backward at head dims 32-128, against 180 GFLOP/s of GEMM, one thread).
+# host_link_bw: PCIe 4.0 x16 (A100) moves 31.5 GB/s each way and PCIe 5.0 x16 (H100) 63 GB/s
+# (PCI-SIG base specifications); the presets take about 80 % of that. host_mem_bw: 100 GB/s, half a
+# socket of eight DDR4-3200 channels (204.8 GB/s peak). On the cpu preset host and device are one
+# memory: a copy reads and writes it (half its bandwidth), the host step runs at its bandwidth.
 # step_efficiency: 1 in the presets (datasheet peaks have no measured step to compare with);
 # calibrate_device measures it (0.76-0.82 on the 2-core test VM).
 PRESETS = {
     "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6,
-                         attention_efficiency=0.5),
+                         attention_efficiency=0.5, host_link_bw=25e9, host_mem_bw=1e11),
     "h100": DevicePreset("h100", 495e12, 989e12, 3.35e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6,
-                         attention_efficiency=0.5),
+                         attention_efficiency=0.5, host_link_bw=50e9, host_mem_bw=1e11),
     "cpu": DevicePreset("cpu", 1e11, 1e11, 2e10, 24 * 2**30, op_overhead=4e-6, dtensor_op_overhead=20e-6,
-                        attention_efficiency=0.4),
+                        attention_efficiency=0.4, host_link_bw=1e10, host_mem_bw=2e10),
 }
 
 
@@ -720,8 +732,14 @@ class CostModel:
         return 2 * (n - 1) / n * nbytes * self.mesh.beta[axis]
 
     # ------------------------------------------------------------ optimizer
+    def host_copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between host and device memory, one way
+        (``device.host_link_bw``)."""
+        return nbytes / self.device.host_link_bw
+
     def optimizer_step_time(self, numel: int, itemsize: int, optimizer: str = "adamw",
-                            implementation: str = "for-loop", params: int = 1, dtensor: bool = True) -> float:
+                            implementation: str = "for-loop", params: int = 1, dtensor: bool = True,
+                            on_host: bool = False) -> float:
         """Seconds one optimizer step spends on one trainable parameter, on one device:
 
             ``E·numel·itemsize / mem_bw + k_p·o_D + k_pp·o + (k_g·o_D + k_gp·o) / params``
@@ -755,6 +773,8 @@ class CostModel:
             implementation: ``"for-loop"`` or ``"foreach"`` (:func:`optimizer_implementation`).
             params: trainable parameters in the step (the foreach group's size).
             dtensor: whether the parameters are DTensors.
+            on_host: the parameter is offloaded: its step runs in host memory
+                (``device.host_mem_bw`` instead of ``mem_bw``).
 
         Raises:
             ValueError: an unknown optimizer or implementation, ``params`` below 1.
@@ -766,7 +786,7 @@ class CostModel:
         if params < 1:
             raise ValueError(f"optimizer_step_time: params must be >= 1, got {params!r}")
         dev = self.device
-        traffic = OPTIMIZER_ELEMENTS[optimizer] * numel * itemsize / dev.mem_bw
+        traffic = OPTIMIZER_ELEMENTS[optimizer] * numel * itemsize / (dev.host_mem_bw if on_host else dev.mem_bw)
         o_d = dev.dtensor_op_overhead if dtensor else dev.op_overhead
         per_param = ops.per_param * o_d + ops.per_param_plain * dev.op_overhead
         per_group = ops.per_group * o_d + ops.per_group_plain * dev.op_overhead

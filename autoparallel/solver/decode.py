@@ -44,13 +44,16 @@ def make_plan(pricing: Pricing, choice: dict[fx.Node, Strategy], edges, param_na
     """
     nodes = _node_plans(pricing, choice)
     redistributions = _redistributions(pricing, choice, edges, nodes)
-    params = {}
+    params, offloaded = {}, []
     for node in pricing.nodes:
         if node.op == "get_attr" and node.target in param_names:
             for name in param_names[node.target]:
                 params[name] = choice[node].outputs[0]
+                if choice[node].offload:
+                    offloaded.append(name)
     estimate = _estimate(pricing, choice, nodes, redistributions, params, memory)
-    return Plan(pricing.mesh, nodes, redistributions, params, estimate, outputs=pricing.outputs)
+    return Plan(pricing.mesh, nodes, redistributions, params, estimate, outputs=pricing.outputs,
+                offloaded=tuple(offloaded))
 
 
 def _node_plans(pricing: Pricing, choice: dict[fx.Node, Strategy]) -> dict[str, NodePlan]:

@@ -6,7 +6,9 @@ the step holds is an *item* with a live interval ``[start, end]`` and a size tha
 on the strategy of exactly one node (its *owner*), so that the memory at any step is
 linear in the plan's one-hot strategy variables (what the ILP needs):
 
-* parameters and buffers, whole step, under the parameter's spec;
+* parameters and buffers, whole step, under the parameter's spec (none of an offloaded
+  parameter's bytes, gradient and optimizer states are on the device: its device copy counts
+  as the ``gathered`` kind below);
 * gradients of parameters, from the backward of the parameter's last use (set_to_none
   zeroing: the previous step's are gone) to the end;
 * optimizer states, whole step: ``OPTIMIZER_STATES[optimizer]`` tensors the size of each
@@ -153,6 +155,12 @@ def _local_bytes(shape, dtype: torch.dtype, spec: Spec, mesh_shape) -> int:
     return math.prod(local_shape(shape, spec, mesh_shape)) * dtype.itemsize
 
 
+def _on_device(size: Callable[[Strategy], int]) -> Callable[[Strategy], int]:
+    """``size`` on the device: 0 under a strategy that offloads the parameter to host memory
+    (:mod:`autoparallel.strategies.offload`)."""
+    return lambda s: 0 if s.offload else size(s)
+
+
 @dataclass
 class Item:
     """One tensor of the step: live on steps ``start..end`` (inclusive), of kind ``kind``,
@@ -160,8 +168,9 @@ class Item:
 
     With ``param`` set, a parameter that ``owner`` uses as its input ``input_pos`` (an
     all-gathered weight autograd keeps, or its gradient): it exists only when the owner's
-    input spec is not a local slice of the parameter's (:func:`is_copy`), so its exact size
-    depends on two strategies (:meth:`bytes`); the ILP rows take the lower bound
+    input spec is not a local slice of the parameter's (:func:`is_copy`) or the parameter is
+    offloaded to host memory (its device copy), so its exact size depends on two strategies
+    (:meth:`bytes`); the ILP rows take the lower bound
     ``size(owner) - bytes of the parameter`` (:meth:`linear`), exact for FSDP's gather up to
     the shard itself, and 0 or less when the owner reads the parameter as held."""
 
@@ -178,7 +187,8 @@ class Item:
     def bytes(self, choice: dict[fx.Node, Strategy]) -> int:
         """Bytes per device under ``choice`` (node → strategy)."""
         s = choice[self.owner]
-        if self.param is not None and not is_copy(choice[self.param].outputs[0], s.inputs[self.input_pos]):
+        held = choice[self.param] if self.param is not None else None
+        if held is not None and not held.offload and not is_copy(held.outputs[0], s.inputs[self.input_pos]):
             return 0
         return self.size(s)
 
@@ -442,7 +452,7 @@ class MemoryModel:
         for (u, i), end in last_use.items():
             info = node_info(u)
             if u.op == "get_attr":
-                size = out_size(u, i)
+                size = _on_device(out_size(u, i))
                 kind = "parameters"
                 items.append(Item(kind, u, 0, back, size))
                 if info.requires_grad:
@@ -583,5 +593,6 @@ class MemoryModel:
         return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._param_bytes)]
 
     def _param_bytes(self, param: fx.Node) -> Callable[[Strategy], int]:
+        """The device bytes of ``param`` held under a strategy (0 offloaded)."""
         shape, dtype = node_info(param).outputs[0]
-        return lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape)
+        return _on_device(lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape))

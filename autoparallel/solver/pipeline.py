@@ -77,8 +77,7 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
     planner = _planner(traced, mesh, options, cost_model, strategies, gen.aliases)
     t_memory = time.perf_counter() - t1
     progress.stage("costs and ILP solve")
-    plan = planner.solve(solver=options.solver, time_limit=options.time_limit, memory_budget=budget,
-                         checkpointing=options.checkpointing)
+    plan = _solve(planner, options, budget)
     plan.estimate = replace(plan.estimate, costs=cost_model.describe())
     st = plan.solver_stats
     log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %s",
@@ -122,6 +121,38 @@ def _cached(folder, key: str, traced, mesh: MeshSpec, pinned) -> Plan | None:
         hit.solver_stats.cache = "hit"
         hit.solver_stats.stamped_layers = traced.stamped_layers  # the graph is the same either way
     return hit
+
+
+def _solve(planner: Planner, options: PlanOptions, budget: int | None) -> Plan:
+    """The planner's plan within ``budget``. When the fastest plan does not fit (the plan had to
+    shard more or recompute, or none fits) and ``options.offload``, the planner also prices
+    parameters held in host memory (:mod:`autoparallel.strategies.offload`) and the faster of the
+    two plans wins: offloading may cost less than recomputation or sharding, and may be the only
+    way to fit.
+
+    Raises:
+        InfeasiblePlanError: no plan fits, even offloading (or ``offload`` is off).
+    """
+    keywords = dict(solver=options.solver, time_limit=options.time_limit, memory_budget=budget,
+                    checkpointing=options.checkpointing)
+    try:
+        plan = planner.solve(**keywords)
+    except errors.InfeasiblePlanError as e:
+        if not options.offload or budget is None:
+            raise
+        log.info("no plan fits device memory (%s); pricing parameters offloaded to host memory", e)
+        try:
+            return planner.with_offload().solve(**keywords)
+        except errors.InfeasiblePlanError as again:
+            raise errors.InfeasiblePlanError(f"{again} (even with parameters offloaded to host memory)") from None
+    if not options.offload or budget is None or (plan.solver_stats.memory_rounds <= 1 and not plan.checkpoint):
+        return plan
+    offloading = planner.with_offload().solve(**keywords)
+    faster = offloading.estimate.step_time_s < plan.estimate.step_time_s
+    log.info("with parameters offloaded to host memory the step is %s (%s without): %s",
+             units.seconds(offloading.estimate.step_time_s), units.seconds(plan.estimate.step_time_s),
+             "offloading" if faster else "not offloading")
+    return offloading if faster else plan
 
 
 def _narrow(strategies, traced, options: PlanOptions, mesh: MeshSpec, pinned, user_pins, aliases) -> dict:

@@ -18,6 +18,7 @@ from ..plan import Plan
 from ..results import Inspection, SolverStats
 from ..graph import layer_of, layers_of
 from ..strategies import Strategy
+from ..strategies.offload import with_offload
 from .shared_layers import layer_templates
 from .costs import CostModel
 from .decode import make_plan
@@ -70,7 +71,8 @@ class Planner:
     def restricted(self, strategies) -> "Planner":
         """A planner of the same graph, cost model, memory model and options over
         ``strategies``: the same nodes, each with a subset of its strategies here (e.g. a copy
-        that :func:`autoparallel.constraints.restrict` narrowed). It shares this planner's
+        that :func:`autoparallel.constraints.restrict` narrowed) or a superset
+        (:meth:`with_offload`). It shares this planner's
         :attr:`pricing` and its memoized redistribution paths, so it prices no path twice
         (:mod:`autoparallel.recipes` prices hand-written recipes beside the plan so).
 
@@ -84,6 +86,11 @@ class Planner:
         if self.share_layers and not self._same_count_classes(strategies):
             other.template = layer_templates(self.nodes, strategies)
         return other
+
+    def with_offload(self) -> "Planner":
+        """A planner of the same graph whose trainable parameters may also be held in host
+        memory (:func:`~autoparallel.strategies.offload.with_offload`)."""
+        return self.restricted(with_offload(self.strategies, self.pricing.mesh.shape))
 
     def _same_count_classes(self, strategies) -> bool:
         """Whether ``strategies`` sort the repeated layers of each list into the same classes

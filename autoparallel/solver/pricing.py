@@ -112,13 +112,18 @@ class Pricing:
     def node_cost(self, node: fx.Node, s: Strategy, backward: bool = True) -> tuple[float, float, int]:
         """(compute s, own communication s, memory bytes) of ``node`` under ``s``; compute
         covers forward and backward, or the forward only when ``backward`` is False; a
-        trainable parameter's compute is its optimizer update (:meth:`optimizer_time`)."""
+        trainable parameter's compute is its optimizer update (:meth:`optimizer_time`); an
+        offloaded one's communication includes its copies over the host link, exposed (the
+        runtime copies on the compute stream), and it holds no device bytes."""
         info = node_info(node)
         ms = self.mesh.shape
         out_bytes = sum(_local_bytes(sh, dt, sp, ms) for (sh, dt), sp in zip(info.outputs, s.outputs))
         if node.op == "get_attr":
             update = self.optimizer_time(node, s) if backward else 0.0
-            return update, sum(self.grad_reduction(node, s)), out_bytes * (2 if info.requires_grad else 1)
+            comm = sum(self.grad_reduction(node, s))
+            if s.offload:  # the shard to the device each forward, its gradient back each backward
+                return update, comm + (2 if backward else 1) * self.cm.host_copy_time(out_bytes), 0
+            return update, comm, out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
         free_view, grad_calls, accumulations = self._op_traits(node)
@@ -155,7 +160,7 @@ class Pricing:
         shape, dtype = node_info(node).outputs[0]
         numel = math.prod(local_shape(shape, s.outputs[0], self.mesh.shape))
         return self.cm.optimizer_step_time(numel, dtype.itemsize, self.optimizer, self.optimizer_impl,
-                                           len(self.grad_params), dtensor=False)
+                                           len(self.grad_params), dtensor=False, on_host=s.offload)
 
     def dtensor_overhead(self) -> float:
         """Seconds the optimizer step adds to :meth:`optimizer_time`'s sum when the module

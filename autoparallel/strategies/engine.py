@@ -45,11 +45,15 @@ class Strategy:
         outputs: the spec of each tensor output.
         split: how many ways the op's work is divided (global FLOPs / the largest device's
             FLOPs; not an integer when a dim is split unevenly).
+        offload: for a trainable parameter, whether its shard, gradient and optimizer states
+            are held in host memory and the optimizer steps it there
+            (:mod:`autoparallel.strategies.offload`).
     """
 
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
     split: int | float = 1
+    offload: bool = False
 
 
 @dataclass

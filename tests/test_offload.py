@@ -1,0 +1,92 @@
+"""Host-memory offload of parameters: a strategy the planner takes only when nothing else fits
+device memory, counted off the device by the memory model, priced over the host link, and
+exact at run time."""
+
+import copy
+import re
+
+import pytest
+import torch
+
+import autoparallel
+from autoparallel.errors import InfeasiblePlanError
+from autoparallel.plan import Plan
+from autoparallel.solver.costs import PRESETS, DevicePreset
+from autoparallel.strategies.offload import offload_ok
+from autoparallel.placement import R, Shard
+from models import batch_for, hf_model, to_meta
+from test_parity import train_side_by_side
+
+KW = dict(cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
+
+
+def _smallest_without_offload(model, inputs, mesh_shape) -> int:
+    with pytest.raises(InfeasiblePlanError, match="even recomputing") as err:
+        autoparallel.plan(model, inputs, mesh_shape=mesh_shape, memory_budget="64KiB", offload=False, **KW)
+    return int(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    with torch.device("meta"):
+        model = hf_model("gpt2", layers=2)
+    return model, to_meta(batch_for("gpt2", 0, batch=4, seq=32))
+
+
+def test_offloaded_when_device_memory_is_short(gpt2):
+    """Not while the fastest plan fits; below the smallest peak reachable on the device, the
+    only plans that fit offload; in between, offloading wins where it is faster than
+    recomputing (host copies of these small parameters cost little)."""
+    model, inputs = gpt2
+    free = autoparallel.plan(model, inputs, mesh_shape=(2,), **KW)
+    assert free.offloaded == ()
+    need = _smallest_without_offload(model, inputs, (2,))
+    at_need = autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=need, **KW)
+    kept = autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=need, offload=False, **KW)
+    assert at_need.estimate.step_time_s <= kept.estimate.step_time_s
+    tight = autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=int(0.8 * need), **KW)
+    assert tight.offloaded and tight.estimate.peak_memory_bytes <= int(0.8 * need)
+    assert "in host memory" in str(tight)
+    for name in tight.offloaded:  # only parameters no mesh axis replicates
+        assert offload_ok(tight.param_placements[name], (2,)), name
+    assert Plan.from_json(tight.to_json()) == tight
+    assert tight.estimate.step_time_s > free.estimate.step_time_s  # host copies and a host step cost time
+
+
+def test_offload_off_raises_and_says_so(gpt2):
+    model, inputs = gpt2
+    need = _smallest_without_offload(model, inputs, (2,))
+    with pytest.raises(InfeasiblePlanError, match="even with parameters offloaded"):
+        autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget="64KiB", **KW)
+    with pytest.raises(InfeasiblePlanError) as err:
+        autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=int(0.8 * need), offload=False, **KW)
+    assert "offloaded" not in str(err.value)
+
+
+def test_offload_rule_and_old_plans():
+    assert offload_ok((Shard(0), Shard(1)), (2, 4)) and offload_ok((R, Shard(0)), (1, 4))
+    assert not offload_ok((R, Shard(0)), (2, 4))
+    old = DevicePreset.to_json(PRESETS["a100"])
+    for key in ("host_link_bw", "host_mem_bw"):
+        old.pop(key)
+    assert DevicePreset.from_json(old).host_link_bw == 25e9  # a preset cached before the host rates
+
+
+@pytest.mark.slow
+def test_offloaded_module_trains_exactly(sim_mesh):
+    """Loss and every gradient equal the single-device model's over three SGD steps on the
+    host-held parameters."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    torch.manual_seed(0)
+    ref = hf_model("gpt2", layers=2).train()
+    model = copy.deepcopy(ref)
+    batch = batch_for("gpt2", 0, batch=4, seq=32)
+    need = _smallest_without_offload(ref, to_meta(batch), (2,))
+    ranks = frozenset(range(2))
+    mesh = sim_mesh((2,))  # outside LocalTensorMode: a mesh made inside it nests the ranks' tensors
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, memory_budget=int(0.8 * need),
+                                              **KW)
+    assert pmodel.plan.offloaded and "onto_device(" in pmodel.graph_module.code
+    train_side_by_side(ref, pmodel, [batch_for("gpt2", step, batch=4, seq=32) for step in range(3)], ranks)
