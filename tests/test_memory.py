@@ -124,7 +124,7 @@ def _checkpointed(mesh_shape, sim_mesh, frac=0.7):
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, cost_model=cost,
-                                              memory_budget=budget, cache_dir=False)
+                                              memory_budget=budget, cache_dir=False, offload=False)
     return ref, pmodel, batch, budget, ranks
 
 
@@ -193,8 +193,8 @@ def test_recomputing_on_the_fastest_plan_beats_sharding_to_fit():
     kw = dict(mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
     free = autoparallel.plan(model, inputs, **kw)
     budget = int(0.9 * free.estimate.peak_memory_bytes)
-    sharded = autoparallel.plan(model, inputs, memory_budget=budget, checkpointing="off", **kw)
-    auto = autoparallel.plan(model, inputs, memory_budget=budget, **kw)
+    sharded = autoparallel.plan(model, inputs, memory_budget=budget, checkpointing="off", offload=False, **kw)
+    auto = autoparallel.plan(model, inputs, memory_budget=budget, offload=False, **kw)
     assert sharded.checkpoint is None and auto.checkpoint and auto.checkpoint.regions
     assert auto.estimate.peak_memory_bytes <= budget
     assert free.estimate.step_time_s < auto.estimate.step_time_s < sharded.estimate.step_time_s
@@ -208,7 +208,7 @@ def test_checkpointed_plan_roundtrips_json():
     inputs = to_meta(batch_for("gpt2", 0, batch=8, seq=32))
     free = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
     p = autoparallel.plan(model, inputs, mesh_shape=(2,), cache_dir=False, cost_model=autoparallel.CostModel("cpu"),
-                          memory_budget=int(0.7 * free.estimate.peak_memory_bytes))
+                          memory_budget=int(0.7 * free.estimate.peak_memory_bytes), offload=False)
     assert p.checkpoint and Plan.from_json(p.to_json()) == p
     assert p.estimate.step_time_s > free.estimate.step_time_s
 
