@@ -97,6 +97,8 @@ def hf_model(name, layers=2):
         return T.T5ForConditionalGeneration(cfg)
     if name in FAMILIES:
         return FAMILIES[name](T)
+    if name in MOE:
+        return MOE[name](T)
     raise ValueError(name)
 
 
@@ -136,6 +138,16 @@ FAMILIES = {  # more architectures sharing the building blocks above, tiny, drop
         patch_size=8, num_labels=10, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
 }
 ENCODERS = {"bert", "roberta", "distilbert"}
+# mixtures of experts (tests/test_moe_rules.py), tiny: 4 experts, 2 per token, the router's
+# load-balancing loss added to the LM loss; Qwen2-MoE with a gated shared expert beside them.
+# transformers 5 runs the experts as one grouped matmul (transformers::grouped_mm_fallback on CPU)
+_MOE = dict(_D, vocab_size=256, num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True,
+            use_cache=False)
+MOE = {
+    "mixtral": lambda T: T.MixtralForCausalLM(T.MixtralConfig(**_MOE, intermediate_size=128, num_local_experts=4)),
+    "qwen2_moe": lambda T: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        **_MOE, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4)),
+}
 
 
 class WithLoss(torch.nn.Module):

@@ -133,12 +133,15 @@ class OpRecord:
 
 
 RECORDS: dict[object, OpRecord] = {}
-"""ATen overload → its record."""
+"""ATen overload, or the name of a library's op (:func:`record`), → its record."""
 
 
 def record(*ops, local: Callable | None = None, cost: Callable | None = None):
     """Decorator: register the decorated rule, with ``local`` and ``cost``, for every op in
-    ``ops`` (ATen overloads). Returns the rule unchanged."""
+    ``ops``: ATen overloads, or the name (``str`` of the overload, as the coverage report
+    prints it: ``"transformers.grouped_mm_fallback.default"``) of an op that a library
+    defines with ``torch.library`` when it is imported, so that the overload does not exist
+    when this package is. Returns the rule unchanged."""
 
     def deco(fn):
         for op in ops:
@@ -148,8 +151,12 @@ def record(*ops, local: Callable | None = None, cost: Callable | None = None):
 
 
 def record_of(op) -> OpRecord | None:
-    """The op's own record, ``None`` when it has none."""
-    return RECORDS.get(op)
+    """The op's own record (under the overload, else under its name for a library's op),
+    ``None`` when it has none."""
+    found = RECORDS.get(op)
+    if found is None and isinstance(op, torch._ops.OpOverload) and op.namespace != "aten":
+        found = RECORDS.get(str(op))
+    return found
 
 
 def is_pointwise(op) -> bool:

@@ -331,11 +331,15 @@ def pad_rule(node, in_shapes, out_shapes):
 
 
 @record(aten.cumsum.default, aten.cumprod.default, aten.flip.default, aten.roll.default,
-      aten.sort.default, aten.argsort.default)  # softmax, log_softmax: losses.py (their dim may be split)
+        aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+        aten.topk.default)  # softmax, log_softmax: losses.py (their dim may be split)
 def along_dim_rule(node, in_shapes, out_shapes):
     """Ops that mix values along the dims named by their ``dim`` (or ``dims``) argument:
-    those dims stay whole. ``roll`` without ``dims`` rolls the flattened tensor: every dim
-    stays whole."""
+    those dims stay whole, every other dim may be split with every output. ``roll`` without
+    ``dims`` rolls the flattened tensor: every dim stays whole. ``sort``, ``argsort`` and
+    ``topk`` (a mixture-of-experts router's expert choice) order each slice along ``dim`` on
+    its own, so a device holding whole slices finds the values and indices (positions
+    within the slice) one device finds; a stable sort orders ties as one device does."""
     nd = len(in_shapes[0])
     a = op_args(node)
     dims = a["dims"] if "dims" in a else a["dim"]
