@@ -240,8 +240,8 @@ def process_variants(args, name, seq, meshes, rows):
             yield v
             row = dict(model=name, seq=seq, mesh=v.mesh, plan=kind, measured=v.peak_bytes, error=v.error or v.na)
             if v.module is not None:
-                est = v.module.plan.estimate.memory
-                row.update(modelled=est.peak_bytes, breakdown=dict(est.breakdown.items()), phase=est.phase,
+                est = v.module.plan.estimate.memory  # the breakdown is without recomputation
+                row.update(modelled=v.module.plan.estimate.peak_memory_bytes, breakdown=dict(est.breakdown.items()), phase=est.phase,
                            split=sharded_fraction(v.module.plan))
             rows.append(row)
             v.module = v.optimizer = None
