@@ -16,6 +16,20 @@ ranks the tracker sees every rank's tensors; their total is divided by the mesh 
 
 Target (issue 14): every row within 10 % of the measurement.
 
+With ``--processes``, the rows at realistic sequence lengths in real processes instead (issue
+27, part 4): one ``torchrun`` job per world size (gloo on CPU; ``vs_torch.py``'s machinery),
+GPT-2 class and Llama class models (2 layers x 256 hidden, 4 heads, Llama 2 key-value heads
+and MLP 688, vocabulary 8192, batch 4 x ``--seqs`` tokens) and a ViT (2 layers x 256 hidden,
+4 heads, MLP 1024, 16 x 16 patches of a 512-row image as wide as ``--seqs`` patches need,
+batch 4, 10 classes), on meshes (2,), (4,) and (2, 2), under the ``dp``, ``fsdp`` and ``tp``
+plans above and ``ckpt`` (``checkpointing="full"``: every stage recomputed), the cost model
+the ``cpu`` preset. Each rank passes the global batch and holds the module's outputs through
+the step; measured: ``MemTracker`` over one steady-state step (``vs_torch.measure_peak_cpu``),
+the largest rank.
+
+    python benchmarks/memory.py --processes [--models gpt2,llama,vit] [--worlds 2,4]
+        [--seqs 1024,2048] [--meshes 2,4,2x2] [--plans dp,fsdp,tp,ckpt] [--json out.json]
+
 Then activation checkpointing on the GPT-2-class model, one device: the budget leaves
 parameters, gradients and optimizer states whole and half of the activation memory the
 plan without checkpointing peaks at. Printed: the regions chosen, the modelled and the
@@ -29,6 +43,7 @@ import copy
 import math
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -183,7 +198,113 @@ def checkpointing():
     dist.destroy_process_group()
 
 
+# --------------------------------------------------------------------------- real processes
+
+SEQS = "1024,2048"
+PROCESS_PLANS = "dp,fsdp,tp,ckpt"
+
+
+def process_model(name: str, seq: int):
+    """The ``--processes`` row's model (seeded alike on every rank) and its global batch."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vs_torch as V
+
+    if name == "vit":
+        cfg = T.ViTConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+                          image_size=(512, 16 * seq // 32), patch_size=16, num_labels=10, hidden_dropout_prob=0,
+                          attention_probs_dropout_prob=0)
+        torch.manual_seed(V.SEED)
+        g = torch.Generator().manual_seed(V.SEED + 1)
+        batch = {"pixel_values": torch.randn(4, 3, *cfg.image_size, generator=g),
+                 "labels": torch.randint(0, 10, (4,), generator=g)}
+        return T.ViTForImageClassification(cfg).train(), batch
+    sizes = dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=688, vocab=8192, batch=4, seq=seq)
+    model, s = V.build_model(name, False, sizes)
+    return model, V.global_batch(s, torch.device("cpu"))
+
+
+def process_variants(args, name, seq, meshes, rows):
+    """The autoparallel modules of one model and sequence length on ``meshes`` (label → device
+    mesh), one per plan (a generator, as ``vs_torch.build_and_measure`` takes it); each measured
+    variant's estimate goes to ``rows`` and its module is dropped before the next is built."""
+    import vs_torch as V
+
+    model, batch = process_model(name, seq)
+    for label, mesh in meshes.items():
+        for kind in args.plans.split(","):
+            parallelism, cost = PLANS.get(kind, ("auto", autoparallel.CostModel))
+            options = dict(checkpointing="full") if kind == "ckpt" else dict(memory_budget="unlimited")
+            v = V.autoparallel_variant(args, kind, model, batch, mesh, label, parallelism=parallelism,
+                                       cost_model=cost("cpu"), **options)
+            v.hold_outputs = True
+            yield v
+            row = dict(model=name, seq=seq, mesh=v.mesh, plan=kind, measured=v.peak_bytes, error=v.error or v.na)
+            if v.module is not None:
+                est = v.module.plan.estimate.memory  # the breakdown is without recomputation
+                row.update(modelled=v.module.plan.estimate.peak_memory_bytes, breakdown=dict(est.breakdown.items()), phase=est.phase,
+                           split=sharded_fraction(v.module.plan))
+            rows.append(row)
+            v.module = v.optimizer = None
+
+
+def run_processes(args, name, dev, rank, world) -> dict:
+    """One model's rows on this world size (a ``vs_torch.run_worker`` job): peaks gathered over
+    the ranks (the largest)."""
+    import vs_torch as V
+
+    shapes = [(2,)] if world == 2 else [(4,), (2, 2)]
+    meshes = {label: init_device_mesh("cpu", shape) for shape in shapes
+              if (label := "x".join(map(str, shape))) in args.meshes.split(",")}
+    rows = []
+    for seq in (int(x) for x in args.seqs.split(",")):
+        V.build_and_measure(process_variants(args, name, seq, meshes, rows), args, dev)
+    peaks = V.max_over_ranks([r["measured"] or 0 for r in rows], dev)
+    for r, p in zip(rows, peaks):
+        r["measured"] = int(p) or None
+    return dict(model=name, world=world, warmup=args.warmup, threads=torch.get_num_threads(), rows=rows)
+
+
+def process_table(results: list[dict]) -> str:
+    """Modelled next to measured per device, one row per model, sequence, mesh and plan."""
+    mib = 2 ** 20
+    lines = [f"{'model':6} {'seq':>5} {'mesh':5} {'plan':5} {'split':>6} {'modelled':>9} {'measured':>9} {'error':>7}"
+             "  breakdown at the modelled peak (MiB)"]
+    for job in results:
+        for r in job["rows"]:
+            head = f"{r['model']:6} {r['seq']:5} {r['mesh']:5} {r['plan']:5}"
+            if r.get("modelled") is None or not r["measured"]:
+                lines.append(f"{head} n/a: {r['error']}")
+                continue
+            err = r["modelled"] / r["measured"] - 1
+            parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in r["breakdown"].items() if v)
+            lines.append(f"{head} {r['split']:6.0%} {r['modelled'] / mib:5.1f} MiB {r['measured'] / mib:5.1f} MiB "
+                         f"{100 * err:+6.1f}%  {'OK ' if abs(err) <= 0.1 else 'MISSED'} ({parts}; {r['phase']})")
+    return "\n".join(lines)
+
+
+def process_main(argv) -> int:
+    """``--processes``: :func:`vs_torch.run_script` with this script's jobs and table."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vs_torch as V
+
+    ap = V.arg_parser(__doc__.splitlines()[0], models="gpt2,llama,vit", worlds="2,4")
+    ap.add_argument("--processes", action="store_true")
+    ap.add_argument("--seqs", default=SEQS, help="sequence lengths (tokens; a ViT's patches)")
+    ap.add_argument("--meshes", default="2,4,2x2", help="meshes of the world sizes: 2 | 4, 2x2")
+    ap.add_argument("--plans", default=PROCESS_PLANS, help="comma-separated: dp, fsdp, tp, ckpt")
+    args = ap.parse_args(argv)
+    args.warmup = args.warmup or 2
+    args.rounds = args.steps = 0
+
+    def passthrough(a):
+        return V.worker_argv(a) + ["--processes", "--seqs", a.seqs, "--meshes", a.meshes, "--plans", a.plans]
+
+    return V.run_script(args, run_processes, process_table, passthrough, __file__)
+
+
 def main():
+    if "--processes" in sys.argv:
+        sys.exit(process_main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="gpt2,llama")
     ap.add_argument("--meshes", default="1,4,2x2")

@@ -165,6 +165,7 @@ class Variant:
         self.peak_bytes = None
         self.loss0 = None
         self.error = None
+        self.hold_outputs = False     # keep the module's outputs through the step, as a loop reading logits does
 
     def make_optimizer(self):
         make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
@@ -172,7 +173,10 @@ class Variant:
 
     def step(self, sync) -> tuple[float, float]:
         t0 = time.perf_counter()
-        loss = self.module(**self.batch).loss
+        out = self.module(**self.batch)
+        loss = out.loss
+        if not self.hold_outputs:
+            del out
         loss.backward()
         sync()
         t1 = time.perf_counter()
@@ -245,7 +249,7 @@ def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, **op
         options["cache_dir"] = False
     t0 = time.perf_counter()
     try:
-        v.module = autoparallel.autoparallelize(copy.deepcopy(model).to(batch["input_ids"].device), meta,
+        v.module = autoparallel.autoparallelize(copy.deepcopy(model).to(next(iter(batch.values())).device), meta,
                                                 device_mesh=device_mesh, **options)
     except Exception as e:  # noqa: BLE001  (reported in the table, the other rows still run)
         v.na = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:600]}"

@@ -239,3 +239,30 @@ def test_attention_activations_split_with_the_batch():
     assert abs(gpu_four - gpu_one) <= 0.01 * gpu_one, (gpu_one, gpu_four)
     probs = 4 * 4 * 256 * 256  # one [1, 4, 256, 256] fp32 tensor
     assert gpu_one <= one - probs, (one, gpu_one)
+
+
+def test_local_piece_backward_holds_one_whole_gradient():
+    """The slice move's piece (``local_piece``) has ``index_select``'s gradient, made in one
+    buffer of the whole tensor's size even under a dispatch mode (MemTracker), where autograd's
+    own ``index_select`` backward makes a second one (an out-of-place ``index_add``)."""
+    from autoparallel.runtime_kernels import local_piece
+
+    x = torch.randn(4, 6, 256, requires_grad=True)
+    coord = torch.tensor([1])
+    g = torch.randn(4, 3, 256)
+    local_piece(x, 1, 2, coord).backward(g)
+    ref = x.detach().clone().requires_grad_()
+    ref.unflatten(1, (2, 3)).index_select(1, coord).squeeze(1).backward(g)
+    assert torch.equal(x.grad, ref.grad)
+
+    def backward_peak(cut):
+        y = cut(x.detach().clone().requires_grad_())
+        tracker = MemTracker()
+        with tracker:
+            y.backward(g)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    whole = x.numel() * 4
+    assert backward_peak(lambda t: local_piece(t, 1, 2, coord)) < 2 * whole
+    assert backward_peak(lambda t: t.unflatten(1, (2, 3)).index_select(1, coord).squeeze(1)) >= 2 * whole
+

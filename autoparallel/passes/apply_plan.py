@@ -46,7 +46,7 @@ from ..graph import output_leaves, tensor_inputs
 from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
                          shard_axes, uneven_dims)
 from ..plan import Move, Plan
-from ..runtime_kernels import onto_device, param_all_gather, param_local, reduce_grads_in_bucket, returned
+from ..runtime_kernels import local_piece, onto_device, param_all_gather, param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
 from .grad_buckets import DEFAULT_BUCKET_CAP_BYTES, grad_buckets
 
@@ -192,8 +192,7 @@ class _Emitter:
             return _Pieces(y, d, n, rows, False) if d else y
         if m.kind == "slice":
             d = m.dst_dim
-            u = self.call(aten.unflatten.int, self.joined(x), d, [n, loc[d] // n])
-            return self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
+            return self.call(local_piece, self.joined(x), d, n, self.coord_of(a))
         if m.kind == "mask":  # 0-d factor: the product keeps x's shape, a 0-d x included
             return self.call(aten.mul.Tensor, self.joined(x), self.first_of(a))
         raise ValueError(f"unknown move {m.kind}")
@@ -235,8 +234,7 @@ class _Emitter:
             return self.copy(self.call(aten.narrow.default, y, d, 0, s))
         x = self.pad(x, d, ndim, n * c - s)
         if m.kind == "slice":
-            u = self.call(aten.unflatten.int, x, d, [n, c])
-            y = self.call(aten.squeeze.dim, self.call(aten.index_select.default, u, d, self.coord_of(a)), d)
+            y = self.call(local_piece, x, d, n, self.coord_of(a))
         else:
             full = loc[:d] + (n * c,) + loc[d + 1:]
             y = self.wait(self.call(c10d.reduce_scatter_tensor.default, self.pieces_front(x, d, n, full), "sum", n,

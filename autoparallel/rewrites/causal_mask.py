@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from ..graph import op_args
+from ..runtime_kernels import local_piece
 from ..tracer.annotate import node_info
 from .base import Rewrite, Size
 
@@ -141,13 +142,14 @@ def _constant_ancestry(node: fx.Node) -> list[fx.Node] | None:
 
 def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` if nothing reads it, then each of its inputs that is left unread the same
-    way: ATen ops only (collectives, the runtime's functions, placeholders and attributes stay).
-    An input two erased nodes read is reached twice and erased once."""
+    way: ATen ops and the slice moves' pieces only (collectives, the runtime's other functions,
+    placeholders and attributes stay). An input two erased nodes read is reached twice and erased
+    once."""
     stack, erased = [node], set()
     while stack:
         n = stack.pop()
-        if n in erased or n.users or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
-                or n.target.namespace != "aten":
+        aten_op = isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
+        if n in erased or n.users or n.op != "call_function" or not (aten_op or n.target is local_piece):
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)

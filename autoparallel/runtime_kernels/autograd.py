@@ -96,6 +96,35 @@ def returned(x: torch.Tensor, copies: int) -> torch.Tensor:
     return x
 
 
+class _LocalPiece(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, pieces, coord):
+        ctx.shape, ctx.dim, ctx.pieces = x.shape, dim, pieces
+        ctx.save_for_backward(coord)
+        return x.unflatten(dim, (pieces, -1)).index_select(dim, coord).squeeze(dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (coord,) = ctx.saved_tensors
+        whole = grad.new_zeros(ctx.shape)
+        whole.unflatten(ctx.dim, (ctx.pieces, -1)).index_copy_(ctx.dim, coord, grad.unsqueeze(ctx.dim))
+        return whole, None, None, None
+
+
+def local_piece(x: torch.Tensor, dim: int, pieces: int, coord: torch.Tensor) -> torch.Tensor:
+    """This device's piece of ``x`` cut in ``pieces`` equal pieces along ``dim``: piece
+    ``coord`` (a 1-element int64 tensor, the device's coordinate on the mesh axis that cuts),
+    a copy, as ``index_select`` makes it; no host synchronization reads the coordinate.
+
+    Its backward writes the gradient into one zero tensor of ``x``'s shape, in place, always.
+    Autograd's own backward of ``index_select`` does that only for plain tensors with no
+    Python dispatch mode active; under ``MemTracker`` (a ``TorchDispatchMode``) or simulated
+    ranks (``LocalTensor``) it takes the out-of-place ``index_add``, a second buffer of
+    ``x``'s size live at once, which the memory model does not count because a real run
+    never allocates it (docs/design.md, "The memory model at real sequence lengths")."""
+    return _LocalPiece.apply(x, dim, pieces, coord)
+
+
 class _ParamAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, steps, dtype, reduce_dtype):

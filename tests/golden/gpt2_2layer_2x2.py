@@ -94,12 +94,10 @@ def forward(self, mesh_coord, input_ids, labels):
     contiguous_2 = torch.ops.aten.contiguous.default(dropout)
     all_to_all_single = torch.ops._c10d_functional.all_to_all_single.default(contiguous_2, [4, 4], [4, 4], Group.dp);  contiguous_2 = None
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
-    unflatten_8 = torch.ops.aten.unflatten.int(wait_tensor, 0, [2, 4]);  wait_tensor = None
-    movedim = torch.ops.aten.movedim.int(unflatten_8, 0, 2);  unflatten_8 = None
+    unflatten = torch.ops.aten.unflatten.int(wait_tensor, 0, [2, 4]);  wait_tensor = None
+    movedim = torch.ops.aten.movedim.int(unflatten, 0, 2);  unflatten = None
     flatten = torch.ops.aten.flatten.using_ints(movedim, 2, 3);  movedim = None
-    unflatten_9 = torch.ops.aten.unflatten.int(flatten, 0, [2, 2]);  flatten = None
-    index_select_8 = torch.ops.aten.index_select.default(unflatten_9, 0, coord_tp);  unflatten_9 = None
-    dropout_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_8, 0);  index_select_8 = None
+    dropout_s0dp_s0tp = autoparallel_runtime_kernels_autograd_local_piece(flatten, 0, 2, coord_tp);  flatten = None
     # transformer.h.0.ln_1: redistribute transformer_h_0_ln_1_weight S0(dp) S0(tp) -> R R
     contiguous_3 = torch.ops.aten.contiguous.default(transformer_h_0_ln_1_weight);  transformer_h_0_ln_1_weight = None
     all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_3, 2, Group.tp);  contiguous_3 = None
@@ -185,9 +183,7 @@ def forward(self, mesh_coord, input_ids, labels):
     view_7 = torch.ops.aten.view.default(addmm_1, [8, 16, 16]);  addmm_1 = None
     dropout_1 = torch.ops.aten.dropout.default(view_7, 0.0, True);  view_7 = None
     # transformer.h.0: redistribute dropout S2(dp) R -> S2(dp) S2(tp)
-    unflatten_10 = torch.ops.aten.unflatten.int(dropout, 2, [2, 16]);  dropout = None
-    index_select_9 = torch.ops.aten.index_select.default(unflatten_10, 2, coord_tp);  unflatten_10 = None
-    dropout_s2dp_s2tp = torch.ops.aten.squeeze.dim(index_select_9, 2);  index_select_9 = None
+    dropout_s2dp_s2tp = autoparallel_runtime_kernels_autograd_local_piece(dropout, 2, 2, coord_tp);  dropout = None
     add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout_s2dp_s2tp);  dropout_1 = dropout_s2dp_s2tp = None
     # transformer.h.0.ln_2: redistribute add_4 S2(dp) S2(tp) -> R R
     contiguous_10 = torch.ops.aten.contiguous.default(add_4)
@@ -195,8 +191,8 @@ def forward(self, mesh_coord, input_ids, labels):
     wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_14);  all_gather_into_tensor_14 = None
     all_gather_into_tensor_15 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_8, 2, Group.dp);  wait_tensor_8 = None
     wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_15);  all_gather_into_tensor_15 = None
-    unflatten_11 = torch.ops.aten.unflatten.int(wait_tensor_9, 0, [4, 8]);  wait_tensor_9 = None
-    movedim_1 = torch.ops.aten.movedim.int(unflatten_11, 0, 2);  unflatten_11 = None
+    unflatten_1 = torch.ops.aten.unflatten.int(wait_tensor_9, 0, [4, 8]);  wait_tensor_9 = None
+    movedim_1 = torch.ops.aten.movedim.int(unflatten_1, 0, 2);  unflatten_1 = None
     add_4_replicated = torch.ops.aten.flatten.using_ints(movedim_1, 2, 3);  movedim_1 = None
     wait_tensor_10 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_16);  all_gather_into_tensor_16 = None
     all_gather_into_tensor_17 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_10, 2, Group.dp);  wait_tensor_10 = None
@@ -224,8 +220,8 @@ def forward(self, mesh_coord, input_ids, labels):
     wait_tensor_12 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_20);  all_gather_into_tensor_20 = None
     all_gather_into_tensor_21 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_12, 2, Group.dp);  wait_tensor_12 = None
     wait_tensor_13 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_21);  all_gather_into_tensor_21 = None
-    unflatten_12 = torch.ops.aten.unflatten.int(wait_tensor_13, 0, [4, 128]);  wait_tensor_13 = None
-    movedim_2 = torch.ops.aten.movedim.int(unflatten_12, 0, 1);  unflatten_12 = None
+    unflatten_2 = torch.ops.aten.unflatten.int(wait_tensor_13, 0, [4, 128]);  wait_tensor_13 = None
+    movedim_2 = torch.ops.aten.movedim.int(unflatten_2, 0, 1);  unflatten_2 = None
     view_10_replicated = torch.ops.aten.flatten.using_ints(movedim_2, 1, 2);  movedim_2 = None
     addmm_3 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_proj_bias, view_10_replicated, transformer_h_0_mlp_c_proj_weight);  transformer_h_0_mlp_c_proj_bias = view_10_replicated = transformer_h_0_mlp_c_proj_weight = None
     # transformer.h.0.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
@@ -236,18 +232,16 @@ def forward(self, mesh_coord, input_ids, labels):
     contiguous_14 = torch.ops.aten.contiguous.default(add_7)
     all_gather_into_tensor_22 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_14, 2, Group.tp);  contiguous_14 = None
     wait_tensor_14 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_22);  all_gather_into_tensor_22 = None
-    unflatten_13 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [2, 8]);  wait_tensor_14 = None
-    movedim_3 = torch.ops.aten.movedim.int(unflatten_13, 0, 2);  unflatten_13 = None
+    unflatten_3 = torch.ops.aten.unflatten.int(wait_tensor_14, 0, [2, 8]);  wait_tensor_14 = None
+    movedim_3 = torch.ops.aten.movedim.int(unflatten_3, 0, 2);  unflatten_3 = None
     flatten_1 = torch.ops.aten.flatten.using_ints(movedim_3, 2, 3);  movedim_3 = None
     contiguous_15 = torch.ops.aten.contiguous.default(flatten_1);  flatten_1 = None
     all_to_all_single_1 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_15, [4, 4], [4, 4], Group.dp);  contiguous_15 = None
     wait_tensor_15 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
-    unflatten_14 = torch.ops.aten.unflatten.int(wait_tensor_15, 0, [2, 4]);  wait_tensor_15 = None
-    movedim_4 = torch.ops.aten.movedim.int(unflatten_14, 0, 2);  unflatten_14 = None
+    unflatten_4 = torch.ops.aten.unflatten.int(wait_tensor_15, 0, [2, 4]);  wait_tensor_15 = None
+    movedim_4 = torch.ops.aten.movedim.int(unflatten_4, 0, 2);  unflatten_4 = None
     flatten_2 = torch.ops.aten.flatten.using_ints(movedim_4, 2, 3);  movedim_4 = None
-    unflatten_15 = torch.ops.aten.unflatten.int(flatten_2, 0, [2, 2]);  flatten_2 = None
-    index_select_10 = torch.ops.aten.index_select.default(unflatten_15, 0, coord_tp);  unflatten_15 = coord_tp = None
-    add_7_s0dp_s0tp = torch.ops.aten.squeeze.dim(index_select_10, 0);  index_select_10 = None
+    add_7_s0dp_s0tp = autoparallel_runtime_kernels_autograd_local_piece(flatten_2, 0, 2, coord_tp);  flatten_2 = coord_tp = None
     wait_tensor_16 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_23);  all_gather_into_tensor_23 = None
     all_gather_into_tensor_24 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_16, 2, Group.dp);  wait_tensor_16 = None
     # transformer.h.1.ln_1: redistribute transformer_h_1_ln_1_bias S0(dp) S0(tp) -> R R
@@ -338,8 +332,8 @@ def forward(self, mesh_coord, input_ids, labels):
     wait_tensor_22 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_37);  all_gather_into_tensor_37 = None
     all_gather_into_tensor_38 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_22, 2, Group.dp);  wait_tensor_22 = None
     wait_tensor_23 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_38);  all_gather_into_tensor_38 = None
-    unflatten_16 = torch.ops.aten.unflatten.int(wait_tensor_23, 0, [4, 8]);  wait_tensor_23 = None
-    movedim_5 = torch.ops.aten.movedim.int(unflatten_16, 0, 2);  unflatten_16 = None
+    unflatten_5 = torch.ops.aten.unflatten.int(wait_tensor_23, 0, [4, 8]);  wait_tensor_23 = None
+    movedim_5 = torch.ops.aten.movedim.int(unflatten_5, 0, 2);  unflatten_5 = None
     add_8_replicated = torch.ops.aten.flatten.using_ints(movedim_5, 2, 3);  movedim_5 = None
     wait_tensor_24 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_39);  all_gather_into_tensor_39 = None
     all_gather_into_tensor_40 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_24, 2, Group.dp);  wait_tensor_24 = None
@@ -367,8 +361,8 @@ def forward(self, mesh_coord, input_ids, labels):
     wait_tensor_26 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_43);  all_gather_into_tensor_43 = None
     all_gather_into_tensor_44 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_26, 2, Group.dp);  wait_tensor_26 = None
     wait_tensor_27 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_44);  all_gather_into_tensor_44 = None
-    unflatten_17 = torch.ops.aten.unflatten.int(wait_tensor_27, 0, [4, 128]);  wait_tensor_27 = None
-    movedim_6 = torch.ops.aten.movedim.int(unflatten_17, 0, 1);  unflatten_17 = None
+    unflatten_6 = torch.ops.aten.unflatten.int(wait_tensor_27, 0, [4, 128]);  wait_tensor_27 = None
+    movedim_6 = torch.ops.aten.movedim.int(unflatten_6, 0, 1);  unflatten_6 = None
     view_21_replicated = torch.ops.aten.flatten.using_ints(movedim_6, 1, 2);  movedim_6 = None
     addmm_7 = torch.ops.aten.addmm.default(transformer_h_1_mlp_c_proj_bias, view_21_replicated, transformer_h_1_mlp_c_proj_weight);  transformer_h_1_mlp_c_proj_bias = view_21_replicated = transformer_h_1_mlp_c_proj_weight = None
     # transformer.h.1.mlp.c_proj: S1(dp) S1(tp) -> S2(dp) S2(tp)
@@ -379,14 +373,14 @@ def forward(self, mesh_coord, input_ids, labels):
     contiguous_28 = torch.ops.aten.contiguous.default(add_11);  add_11 = None
     all_gather_into_tensor_45 = torch.ops._c10d_functional.all_gather_into_tensor.default(contiguous_28, 2, Group.tp);  contiguous_28 = None
     wait_tensor_28 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_45);  all_gather_into_tensor_45 = None
-    unflatten_18 = torch.ops.aten.unflatten.int(wait_tensor_28, 0, [2, 8]);  wait_tensor_28 = None
-    movedim_7 = torch.ops.aten.movedim.int(unflatten_18, 0, 2);  unflatten_18 = None
+    unflatten_7 = torch.ops.aten.unflatten.int(wait_tensor_28, 0, [2, 8]);  wait_tensor_28 = None
+    movedim_7 = torch.ops.aten.movedim.int(unflatten_7, 0, 2);  unflatten_7 = None
     flatten_3 = torch.ops.aten.flatten.using_ints(movedim_7, 2, 3);  movedim_7 = None
     contiguous_29 = torch.ops.aten.contiguous.default(flatten_3);  flatten_3 = None
     all_to_all_single_2 = torch.ops._c10d_functional.all_to_all_single.default(contiguous_29, [4, 4], [4, 4], Group.dp);  contiguous_29 = None
     wait_tensor_29 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
-    unflatten_19 = torch.ops.aten.unflatten.int(wait_tensor_29, 0, [2, 4]);  wait_tensor_29 = None
-    movedim_8 = torch.ops.aten.movedim.int(unflatten_19, 0, 2);  unflatten_19 = None
+    unflatten_8 = torch.ops.aten.unflatten.int(wait_tensor_29, 0, [2, 4]);  wait_tensor_29 = None
+    movedim_8 = torch.ops.aten.movedim.int(unflatten_8, 0, 2);  unflatten_8 = None
     add_11_s0dp_r = torch.ops.aten.flatten.using_ints(movedim_8, 2, 3);  movedim_8 = None
     wait_tensor_30 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_46);  all_gather_into_tensor_46 = None
     all_gather_into_tensor_47 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_30, 2, Group.dp);  wait_tensor_30 = None
@@ -405,8 +399,8 @@ def forward(self, mesh_coord, input_ids, labels):
     view_23 = torch.ops.aten.view.default(layer_norm_4, [4, 16, 64]);  layer_norm_4 = None
     alias = torch.ops.aten.alias.default(view_23);  view_23 = None
     wait_tensor_32 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_50);  all_gather_into_tensor_50 = None
-    unflatten_20 = torch.ops.aten.unflatten.int(wait_tensor_32, 0, [2, 64]);  wait_tensor_32 = None
-    movedim_9 = torch.ops.aten.movedim.int(unflatten_20, 0, 1);  unflatten_20 = None
+    unflatten_9 = torch.ops.aten.unflatten.int(wait_tensor_32, 0, [2, 64]);  wait_tensor_32 = None
+    movedim_9 = torch.ops.aten.movedim.int(unflatten_9, 0, 1);  unflatten_9 = None
     transformer_wte_weight_1_r_s0tp = torch.ops.aten.flatten.using_ints(movedim_9, 1, 2);  movedim_9 = None
     linear = torch.ops.aten.linear.default(alias, transformer_wte_weight_1_r_s0tp);  alias = transformer_wte_weight_1_r_s0tp = None
     to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
@@ -423,8 +417,8 @@ def forward(self, mesh_coord, input_ids, labels):
     wait_tensor_33 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_51);  all_gather_into_tensor_51 = None
     all_gather_into_tensor_52 = torch.ops._c10d_functional.all_gather_into_tensor.default(wait_tensor_33, 2, Group.tp);  wait_tensor_33 = None
     wait_tensor_34 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_52);  all_gather_into_tensor_52 = None
-    unflatten_21 = torch.ops.aten.unflatten.int(wait_tensor_34, 0, [2, 128]);  wait_tensor_34 = None
-    movedim_10 = torch.ops.aten.movedim.int(unflatten_21, 0, 1);  unflatten_21 = None
+    unflatten_10 = torch.ops.aten.unflatten.int(wait_tensor_34, 0, [2, 128]);  wait_tensor_34 = None
+    movedim_10 = torch.ops.aten.movedim.int(unflatten_10, 0, 1);  unflatten_10 = None
     view_24_replicated = torch.ops.aten.flatten.using_ints(movedim_10, 1, 2);  movedim_10 = None
     cross_entropy_loss = autoparallel_runtime_kernels_cross_entropy_cross_entropy_loss(view_24_replicated, to_4, 1, -100);  view_24_replicated = to_4 = None
     returned = autoparallel_runtime_kernels_autograd_returned(cross_entropy_loss, 4);  cross_entropy_loss = None
