@@ -27,7 +27,8 @@ median over rounds of the slowest rank's mean step; peak memory the largest rank
 ``MemTracker`` over one steady-state step, on CUDA ``torch.cuda.max_memory_allocated``).
 
 Per budget and recipe the table prints the step, the measured peak, the device bytes (the
-measured peak, except ``FSDP2+offload`` on CPU: there host and device are one memory, so its
+measured peak, except ``FSDP2+offload``, and ``autoparallelize`` when its plan offloads parameters, on
+CPU: there host and device are one memory, so its
 measured peak counts what it offloads; its device bytes are the measured peak less what it keeps
 on the host, its sharded parameters, their gradients and its optimizer states, a lower bound where
 the peak comes before every sharded gradient exists), whether the device bytes fit the budget,
@@ -74,11 +75,11 @@ def shard_bytes(tensors) -> int:
     return total
 
 
-def host_bytes(v) -> int:
-    """What ``CPUOffloadPolicy`` keeps on the host: sharded parameters, a gradient of each, the
-    optimizer states."""
-    params = list(v.module.parameters())
-    states = [t for st in v.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+def host_bytes(v, names=None) -> int:
+    """What an offloading variant keeps on the host: its sharded parameters (those named in
+    ``names``, else all: ``CPUOffloadPolicy``), a gradient of each, their optimizer states."""
+    params = [p for n, p in v.module.named_parameters() if names is None or n in names]
+    states = [t for p in params for t in v.optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
     return 2 * shard_bytes(params) + shard_bytes(states)
 
 
@@ -126,6 +127,8 @@ def build_variants(args, model, batch, dev, rank, world, job):
             v.est_parts["checkpoint_regions"] = len(plan.checkpoint.regions) if plan.checkpoint else 0
             v.est_parts["memory"] = plan.estimate.memory.to_json() if plan.estimate.memory else None
         yield v
+        if v.module is not None and v.module.plan.offloaded and v.optimizer is not None:
+            v.est_parts["host_bytes"] = int(V.max_over_ranks([host_bytes(v, set(v.module.plan.offloaded))], dev)[0])
 
 
 def run_model(args, model_name, dev, rank, world) -> dict:
@@ -144,11 +147,13 @@ def run_model(args, model_name, dev, rank, world) -> dict:
 # --------------------------------------------------------------------------- the table
 
 def device_bytes(job, v):
-    """The variant's peak on the device: measured, less the host's part for offload on CPU."""
+    """The variant's peak on the device: measured, less the host's part for offload on CPU
+    (``FSDP2+offload``, and a plan that offloads parameters)."""
     if v["peak_bytes"] is None:
         return None
-    if v["name"] == "FSDP2+offload" and job["memory"] == "MemTracker" and job.get("host_bytes") is not None:
-        return max(0, v["peak_bytes"] - job["host_bytes"])
+    host = job.get("host_bytes") if v["name"] == "FSDP2+offload" else (v["estimate_parts"] or {}).get("host_bytes")
+    if job["memory"] == "MemTracker" and host is not None:
+        return max(0, v["peak_bytes"] - host)
     return v["peak_bytes"]
 
 
@@ -189,7 +194,7 @@ def table(results: list[dict]) -> str:
                 rows.append(cells + [V.fmt_s(v["step_s"]), _mib(v["peak_bytes"]),
                                      _mib(dev_b) + (" *" if dev_b != v["peak_bytes"] else ""),
                                      "yes" if fits else "NO", _mib(model_b),
-                                     f"{model_b / v['peak_bytes']:.2f}" if model_b and v["peak_bytes"] else "",
+                                     f"{model_b / dev_b:.2f}" if model_b and dev_b else "",
                                      ratio, f"{v['loss0']:.4f}" + ("" if ok_loss else " (!)")])
                 if not ok_loss:
                     notes.append(f"{where}: {v['name']}: step-0 loss {v['loss0']:.6f} differs from the model's "
@@ -198,7 +203,7 @@ def table(results: list[dict]) -> str:
                     notes.append(f"{where}: {v['name']}: {v['error']}")
                 if not auto:
                     continue
-                checks.append(f"{where}: {AUTO} measured peak {_mib(v['peak_bytes'])} MiB "
+                checks.append(f"{where}: {AUTO} measured device peak {_mib(dev_b)} MiB "
                               f"({'OK' if fits else 'MISSED'}: target within the budget)")
                 if fastest:
                     r = v["step_s"] / fastest["step_s"]
@@ -206,8 +211,8 @@ def table(results: list[dict]) -> str:
                                   f"({'OK' if r <= 1.0 else 'MISSED'}: target <= 1.0x)")
                 else:
                     checks.append(f"{where}: no recipe fits; {AUTO} {'fits' if fits else 'does not fit either'}")
-                if model_b and v["peak_bytes"]:
-                    err = model_b / v["peak_bytes"] - 1
+                if model_b and dev_b:
+                    err = model_b / dev_b - 1
                     checks.append(f"{where}: {AUTO} modelled / measured peak {100 * err:+.0f}% "
                                   f"({'OK' if abs(err) <= 0.10 else 'MISSED'}: target within 10%)")
     r0 = results[0] if results else {}
@@ -225,7 +230,8 @@ def table(results: list[dict]) -> str:
         "* FSDP2+offload on CPU: host and device are one memory, so its peak MiB counts what it offloads; device "
         "MiB is that peak less what it keeps on the host (" + "; ".join(
             f"world {r['world']}: {_mib(r.get('host_bytes'))} MiB" for r in results) + ": sharded parameters, their "
-        "gradients, optimizer states), and its step pays no host-device copies"])
+        "gradients, optimizer states), and its step pays no host-device copies; the same for autoparallel where its "
+        "plan offloads parameters (plan.offloaded)"])
     parts = [head, tabulate(rows, hdr, tablefmt="simple", disable_numparse=True)]
     if checks:
         parts.append("targets:\n" + "\n".join("  " + c for c in checks))
