@@ -110,7 +110,7 @@ def test_help_lists_every_option_with_a_default(capsys):
     assert e.value.code == 0
     out = re.sub(r"\s+", " ", capsys.readouterr().out)
     for flag in ("--mesh AxB", "--layers INT", "--hidden INT", "--batch INT", "--mp-policy", "--memory-budget",
-                 "--optimizer", "--checkpointing {auto,off,full}", "--config FILE.toml"):
+                 "--optimizer", "--checkpointing {auto,off,full,selective}", "--config FILE.toml"):
         assert flag in out, flag
     assert "(default: 2)" in out and "(default: 2x2)" in out
 
