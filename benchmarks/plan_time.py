@@ -8,16 +8,21 @@ Rows (targets on a 2-core machine):
 * Llama-3-70B dims: 80 layers, hidden 8192, GQA 64/8 heads, intermediate 28672, vocab 128256,
   batch 128 × 2048, 16×8 mesh — < 60 s
 * Llama-3-8B dims on a (4, 4, 4) mesh, batch 64 × 2048 — < 30 s
+* Mixtral-8x7B dims: 32 layers, hidden 4096, intermediate 14336, GQA 32/8 heads, 8 experts top-2,
+  vocab 32000, batch 64 × 4096, 8×8 mesh — < 60 s
+* DeepSeek-V3 dims: 61 layers (the first 3 dense), hidden 7168, MLA, 256 routed experts + 1
+  shared, top-8, vocab 129280, batch 512 × 4096, 64×8 mesh — < 120 s
 
-The Llama rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
+The Llama, Mixtral and DeepSeek rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 master weights and
 optimizer states), ``device="cuda"`` (the optimizer step priced as CUDA's foreach AdamW) and the
 default memory budget (80 GiB less the 10 % reserve); each prints the
 modelled peak and its breakdown, the fraction of parameter elements split along each mesh axis,
 and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
 
-    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-8b-3d]
-        [--solver cbc|highs] [--budget 40GiB]   # another budget for the Llama rows
+    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-8b-3d,mixtral-8x7b,
+                                           deepseek-v3]
+        [--solver cbc|highs] [--budget 40GiB]   # another budget for the LLM rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
         [--baselines]   # also price the recipe baselines (plan() leaves them out by default)
@@ -66,12 +71,24 @@ def llama3_70b():
     return llama3(layers=80, hidden=8192, heads=64, intermediate=28672)
 
 
+def mixtral_8x7b():
+    return T.MixtralForCausalLM(T.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, use_cache=False))
+
+
+def deepseek_v3():
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(use_cache=False))  # its defaults are DeepSeek-V3's dims
+
+
 ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 policy, default budget)
     "gpt2-small": (lambda: gpt2(12, 768, 12), (8, 1024), (2, 4), 10.0, False),
     "gpt2-xl": (lambda: gpt2(48, 1600, 25), (8, 1024), (2, 4), 30.0, False),
     "llama3-8b": (llama3_8b, (64, 2048), (8, 8), 30.0, True),
     "llama3-70b": (llama3_70b, (128, 2048), (16, 8), 60.0, True),
     "llama3-8b-3d": (llama3_8b, (64, 2048), (4, 4, 4), 30.0, True),
+    "mixtral-8x7b": (mixtral_8x7b, (64, 4096), (8, 8), 60.0, True),
+    "deepseek-v3": (deepseek_v3, (512, 4096), (64, 8), 120.0, True),
 }
 
 
@@ -131,7 +148,7 @@ def main():
     ap.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     ap.add_argument("--no-share", action="store_true", help="also plan without block sharing")
     ap.add_argument("--no-stamp", action="store_true", help="trace every layer (no layer stamping)")
-    ap.add_argument("--budget", default=None, help="memory budget of the Llama rows (default: the device's)")
+    ap.add_argument("--budget", default=None, help="memory budget of the LLM rows (default: the device's)")
     ap.add_argument("--baselines", action="store_true", help="also price the recipe baselines beside each plan")
     args = ap.parse_args()
     T.logging.set_verbosity_error()

@@ -55,6 +55,32 @@ def test_stamped_graph_equals_full_capture(name, layers):
     assert canonical(stamped) == canonical(full)
 
 
+def tiny_deepseek(layers=8, dense=2):
+    """DeepSeek-V3 in miniature: ``dense`` dense layers, then mixture-of-experts ones (shared
+    expert, grouped routing) of another parameter signature."""
+    torch.manual_seed(0)
+    cfg = T.DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             first_k_dense_replace=dense, max_position_embeddings=64, use_cache=False)
+    return T.DeepseekV3ForCausalLM(cfg).train()
+
+
+def test_stamped_tail_after_differing_layers():
+    """Layers that differ before an interchangeable tail (DeepSeek's dense layers before its
+    MoE ones) are traced as they are, and the tail is stamped: the graph equals the full
+    capture node for node."""
+    model = tiny_deepseek()
+    assert (find_layer_list(model).start, find_layer_list(model).keep) == (2, [0, 1, 2, 3, 4, 7])
+    ids = torch.randint(0, 128, (2, 16))
+    inputs = to_meta({"input_ids": ids, "labels": ids})
+    stamped, full = ColoTracer().trace(model, inputs), ColoTracer(stamp=False).trace(model, inputs)
+    assert stamped.stamped_layers == 2
+    assert canonical(stamped) == canonical(full)
+    assert find_layer_list(tiny_deepseek(layers=7, dense=2)) is None  # a tail of 5 layers: too short
+
+
 def test_layer_index_in_forward_falls_back():
     """GPT-2 scaling attention by 1/(layer index + 1): the layers' ``scaling`` attributes
     differ, so stamping must not apply, and the capture is the full one."""
@@ -88,7 +114,14 @@ def test_guards_before_tracing():
     assert find_layer_list(tied) is None
     odd = LinearLayers()
     odd.layers[4] = nn.Linear(16, 16, bias=False)
-    assert find_layer_list(odd) is None
+    assert find_layer_list(odd) is None  # a tail of three interchangeable layers
+    head = LinearLayers()
+    head.layers[1] = nn.Linear(16, 16, bias=False)
+    assert find_layer_list(head).start == 2  # layers 2..7 interchangeable
+    head.layers[0].some_mode = head.layers[1].some_mode = "first"  # attributes before the tail do not matter
+    assert find_layer_list(head).start == 2
+    head.layers[5].some_mode = "other"  # ... in the tail they do
+    assert find_layer_list(head) is None
     flagged = LinearLayers()
     flagged.layers[5].some_mode = "other"
     flagged.layers[0].some_mode = flagged.layers[1].some_mode = flagged.layers[2].some_mode = "one"

@@ -205,7 +205,7 @@ class ColoTracer:
             if traced is not None:
                 traced.stamped_layers = stamp(traced, layer_list)
                 if traced.stamped_layers:
-                    log.info("captured layers 0, 1, 2, %d of %s; stamped %d copies", len(layer_list.layers) - 1,
+                    log.info("captured layers %s of %s; stamped %d copies", ", ".join(map(str, layer_list.keep)),
                              layer_list.path, traced.stamped_layers)
                 else:
                     traced = None

@@ -10,20 +10,25 @@ thing on different parameters. When a model's largest ``ModuleList`` is such a l
 input; the traced layer ``L-1`` is renamed to its place. The result is the graph the full
 export gives, up to node names.
 
+A list whose first ``k`` layers differ from the rest (DeepSeek-V3's three dense layers before
+58 mixture-of-experts ones) is stamped over its interchangeable tail of ``L - k >=
+MIN_LAYERS`` layers: layers ``0 .. k+2`` and ``L-1`` are traced and ``k+3 .. L-2`` copied
+from layer ``k+2``; the first ``k`` are traced like any op before the list.
+
 Guards (any failing one means a full capture, never a wrong graph):
 
-* before tracing (:func:`find_layer_list`): the layers have the same class, the same parameter
+* before tracing (:func:`find_layer_list`): the layers of the tail have the same class, the same parameter
   and buffer names, shapes, dtypes and ``requires_grad``, share no tensor with each other or
   the rest of the model, and their submodules' plain attributes (numbers, strings, flags)
   are equal, except integers that differ from layer to layer (a layer index); the
   model config holds no per-layer list (``layer_types`` ...) whose entries differ;
-* after tracing (:func:`stamp`): the nodes of each traced layer are contiguous, layers 1,
-  2 and ``L-1`` have identical node lists (ops, argument values, shapes, dtypes, strides,
-  wiring), each layer reads only its own parameters, the previous layer's values and
-  values computed before the list, and only the next layer reads a layer's values.
+* after tracing (:func:`stamp`): the nodes of each traced layer are contiguous, layers
+  ``k+1``, ``k+2`` and ``L-1`` have identical node lists (ops, argument values, shapes,
+  dtypes, strides, wiring), each layer reads only its own parameters, the previous layer's
+  values and values computed before the list, and only the next layer reads a layer's values.
 
-What the guards cannot see: a forward that branches on its layer index so that layers 1,
-2 and ``L-1`` agree but another layer differs (e.g. ``if self.layer_idx % 5 == 4``).
+What the guards cannot see: a forward that branches on its layer index so that layers
+``k+1``, ``k+2`` and ``L-1`` agree but another layer differs (e.g. ``if self.layer_idx % 5 == 4``).
 ``ColoTracer(stamp=False)`` / ``plan(..., stamp_layers=False)`` captures every layer.
 """
 
@@ -53,15 +58,19 @@ class LayerList:
     Attributes:
         path: its module path in the model (``"model.layers"``).
         layers: the list itself.
+        start: the first layer of the interchangeable tail (0: every layer); the layers
+            before it are traced as they are.
     """
 
     path: str
     layers: nn.ModuleList
+    start: int = 0
 
     @property
     def keep(self) -> list[int]:
-        """Indices of the layers that are traced: 0, 1, 2 and the last."""
-        return [0, 1, 2, len(self.layers) - 1]
+        """Indices of the layers that are traced: those before ``start``, ``start``,
+        ``start + 1``, ``start + 2`` and the last."""
+        return list(range(self.start + 3)) + [len(self.layers) - 1]
 
 
 def _plain(v):
@@ -87,10 +96,19 @@ def _fingerprint(layer: nn.Module) -> tuple[list, dict]:
     return tensors, attrs
 
 
-def _interchangeable(model: nn.Module, path: str, layers: nn.ModuleList) -> bool:
-    prints = [_fingerprint(layer) for layer in layers]
-    if any(p[0] != prints[0][0] or p[1].keys() != prints[0][1].keys() for p in prints):
-        return False
+def _tail_start(prints: list[tuple[list, dict]]) -> int:
+    """The first index from which every layer's tensor signature and attribute names equal
+    the last layer's (``prints``: :func:`_fingerprint` of each layer)."""
+    start = len(prints) - 1
+    while start > 0 and prints[start - 1][0] == prints[-1][0] and prints[start - 1][1].keys() == prints[-1][1].keys():
+        start -= 1
+    return start
+
+
+def _interchangeable(model: nn.Module, path: str, layers: list[nn.Module], prints: list[tuple[list, dict]],
+                     total: int) -> bool:
+    """Whether ``layers`` (the tail of the ``total`` layers of the list at ``path``, with
+    their ``prints``) compute the same thing: the guards before tracing (module docstring)."""
     for key in prints[0][1]:
         values = [p[1][key] for p in prints]
         if len(set(map(repr, values))) > 1 and not all(type(v) is int for v in values):
@@ -99,24 +117,31 @@ def _interchangeable(model: nn.Module, path: str, layers: nn.ModuleList) -> bool
     inside = set().union(*ids)
     if sum(map(len, ids)) != len(inside):
         return False  # a tensor shared between layers
+    tail = tuple(f"{path}.{i}." for i in range(total - len(layers), total))
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    if any(id(t) in inside for n, t in named if not n.startswith(path + ".")):
-        return False  # a layer's tensor tied to one outside the list
+    if any(id(t) in inside for n, t in named if not n.startswith(tail)):
+        return False  # a layer's tensor tied to one outside the tail
     config = getattr(model, "config", None)
     for v in (vars(config).values() if config is not None and hasattr(config, "__dict__") else ()):
-        if isinstance(v, (list, tuple)) and len(v) == len(layers) and len(set(map(repr, v))) > 1:
+        if isinstance(v, (list, tuple)) and len(v) == total and len(set(map(repr, v[total - len(layers):]))) > 1:
             return False  # per-layer settings (e.g. sliding and full attention layers)
     return True
 
 
 def find_layer_list(model: nn.Module) -> LayerList | None:
-    """The model's largest ``ModuleList`` of at least :data:`MIN_LAYERS` interchangeable
-    layers (see the module docstring), or ``None``."""
+    """The model's largest ``ModuleList`` whose tail of at least :data:`MIN_LAYERS` layers
+    is interchangeable (see the module docstring), or ``None``. The tail is the longest run
+    ending at the last layer whose layers have the last one's class, tensor signature and
+    attribute names; the guards then decide on it as a whole."""
     candidates = sorted(((len(m), path, m) for path, m in model.named_modules()
                          if isinstance(m, nn.ModuleList) and len(m) >= MIN_LAYERS), key=lambda c: -c[0])
-    for _, path, layers in candidates:
-        if len({type(layer) for layer in layers}) == 1 and _interchangeable(model, path, layers):
-            return LayerList(path, layers)
+    for n, path, layers in candidates:
+        if len({type(layer) for layer in layers[n - MIN_LAYERS:]}) > 1:
+            continue
+        prints = [_fingerprint(layer) if type(layer) is type(layers[-1]) else ([None], {}) for layer in layers]
+        start = _tail_start(prints)
+        if n - start >= MIN_LAYERS and _interchangeable(model, path, list(layers)[start:], prints[start:], n):
+            return LayerList(path, layers, start)
     return None
 
 
@@ -150,26 +175,27 @@ def _val_sig(val):
 
 def stamp(traced, layer_list: LayerList) -> int:
     """Rebuild, in place, the full graph of ``traced`` (captured under :func:`truncated`):
-    insert copies of layer 2 for layers ``3 .. L-2`` and move the traced last layer to index
-    ``L-1``, registering the copies' parameters and buffers (meta tensors) on ``traced.gm``.
+    with ``k = layer_list.start``, insert copies of layer ``k+2`` for layers ``k+3 .. L-2``
+    and move the traced last layer to index ``L-1``, registering the copies' parameters and
+    buffers (meta tensors) on ``traced.gm``.
 
     Returns:
-        the number of stamped layers (``L - 4``), or 0 when a guard fails; ``traced`` is
+        the number of stamped layers (``L - k - 4``), or 0 when a guard fails; ``traced`` is
         then unchanged.
     """
-    segs = _traced_layers(traced.gm.graph, layer_list.path)
+    segs = _traced_layers(traced.gm.graph, layer_list.path, len(layer_list.keep))
     if segs is None:
         return 0
     stamper = _Stamper(traced, layer_list, segs)
     if not stamper.layers_match():
         return 0
     stamper.rebuild()
-    return len(layer_list.layers) - 4
+    return len(layer_list.layers) - len(layer_list.keep)
 
 
-def _traced_layers(graph: fx.Graph, path: str) -> list[list[fx.Node]] | None:
-    """The op nodes of each of the four traced layers of the list at ``path``, or ``None``
-    when they are not four contiguous runs in layer order."""
+def _traced_layers(graph: fx.Graph, path: str, count: int) -> list[list[fx.Node]] | None:
+    """The op nodes of each of the ``count`` traced layers of the list at ``path``, or
+    ``None`` when they are not ``count`` contiguous runs in layer order."""
     segs: dict[int, list[fx.Node]] = {}
     order = []
     for n in graph.nodes:
@@ -182,22 +208,24 @@ def _traced_layers(graph: fx.Graph, path: str) -> list[list[fx.Node]] | None:
         order.pop(0)
     while order and order[-1] is None:
         order.pop()
-    if None in order or order != sorted(order) or set(order) != {0, 1, 2, 3}:
+    if None in order or order != sorted(order) or set(order) != set(range(count)):
         return None
-    return [segs[p] for p in range(4)]
+    return [segs[p] for p in range(count)]
 
 
 class _Stamper:
-    """The state of one :func:`stamp`: the traced layers' nodes and positions, the
+    """The state of one :func:`stamp`: the traced layers' nodes and positions (indices in
+    the cut-down list: ``template`` the layer copied, ``last`` the traced last layer), the
     graph's ``get_attr`` nodes by target, and where new ones go."""
 
     def __init__(self, traced, layer_list: LayerList, segs: list[list[fx.Node]]):
         self.traced, self.gm, self.graph = traced, traced.gm, traced.gm.graph
         self.path, self.n_layers, self.prefix = layer_list.path, len(layer_list.layers), layer_list.path + "."
+        self.template, self.last = layer_list.start + 2, layer_list.start + 3
         self.segs = segs
         self.pos = [{n: i for i, n in enumerate(seg)} for seg in segs]
         self.attrs: dict[str, fx.Node] = {}
-        self.last_attr: fx.Node | None = None
+        self.last_attr: dict[bool, fx.Node | None] = {}  # is a parameter → where the next one goes
 
     def attr_rel(self, node: fx.Node, p: int) -> str | None:
         """The name of ``node``'s tensor inside layer ``p`` when it is a ``get_attr`` of it."""
@@ -224,30 +252,37 @@ class _Stamper:
                 for n in self.segs[p]]
 
     def layers_match(self) -> bool:
-        """The guards after tracing: layers 1, 2 and 3 (the last) have the same signature,
-        and only the next layer reads a layer's values."""
+        """The guards after tracing: the layer before the template, the template and the
+        last have the same signature, and only the next layer reads a layer's values."""
+        t = self.template
         try:
-            if not self.signature(1) == self.signature(2) == self.signature(3):
+            if not self.signature(t - 1) == self.signature(t) == self.signature(self.last):
                 return False
         except Exception:  # an argument that does not compare (e.g. a tensor): do not stamp
             return False
-        for p in range(3):
+        for p in range(self.last):
             allowed = set(self.segs[p]) | set(self.segs[p + 1])
             if any(u not in allowed for n in self.segs[p] for u in n.users):
                 return False
         return True
 
     def rebuild(self) -> None:
-        """Copy layer 2 into layers ``3 .. L-2``, then move the traced layer 3 to ``L-1``."""
+        """Copy the template into layers ``template+1 .. L-2``, then move the traced last
+        layer to ``L-1``."""
         self.attrs = {n.target: n for n in self.graph.nodes if n.op == "get_attr"}
-        # new get_attr nodes go after the traced layer 3's, in layer order, as a full capture has them
-        # (layers without parameters or buffers have none, and need none)
-        self.last_attr = next((n for n in reversed(self.attrs.values()) if self.attr_rel(n, 3) is not None), None)
-        prev = self.segs[2]
-        for layer in range(3, self.n_layers - 1):
-            prev = self.copy_layer(2, layer, prev)
+        # new get_attr nodes go after the traced last layer's, in layer order, parameters after its
+        # parameters and buffers after its buffers, as a full capture has them (export lists every
+        # parameter before the buffers; layers without parameters or buffers need none)
+        mine = [n for n in self.attrs.values() if self.attr_rel(n, self.last) is not None]
+        self.last_attr = {kind: next((n for n in reversed(mine) if (n.target in self.traced.params) == kind), None)
+                          for kind in (True, False)}
+        prev = self.segs[self.template]
+        for layer in range(self.last, self.n_layers - 1):
+            prev = self.copy_layer(self.template, layer, prev)
         self.move_last(prev)
-        self.graph.eliminate_dead_code()  # layer 3's traced parameters, now read by the copy of layer 3 only
+        # the traced last layer's parameters under its index in the cut-down list, now read by
+        # the copy of the layer at that index only
+        self.graph.eliminate_dead_code()
         self.graph.lint()
         self.gm.recompile()
 
@@ -269,10 +304,11 @@ class _Stamper:
         (traced.params if t.target in traced.params else traced.buffers)[target] = [target]
         if t.target in traced.requires_grad:
             traced.requires_grad[target] = traced.requires_grad[t.target]
-        with self.graph.inserting_after(self.last_attr):
+        kind = t.target in traced.params
+        with self.graph.inserting_after(self.last_attr[kind]):
             new = self.graph.get_attr(target)
         new.meta = dict(t.meta)
-        self.attrs[target] = self.last_attr = new
+        self.attrs[target] = self.last_attr[kind] = new
 
     def copy_layer(self, p: int, layer: int, prev: list[fx.Node]) -> list[fx.Node]:
         """Copies of layer ``p``'s nodes as layer ``layer``, reading ``prev`` (the copy of
@@ -289,7 +325,7 @@ class _Stamper:
                 return self.attr_node(x, p, layer)
             return x
 
-        with self.graph.inserting_before(self.segs[3][0]):
+        with self.graph.inserting_before(self.segs[self.last][0]):
             for n in self.segs[p]:
                 new = self.graph.node_copy(n, arg)
                 new.meta["nn_module_stack"] = _module_stack(n.meta, rename)
@@ -297,15 +333,16 @@ class _Stamper:
         return out
 
     def move_last(self, prev: list[fx.Node]) -> None:
-        """The traced last layer: its inputs, parameters and module paths move from index 3
-        to ``L-1``."""
-        last, rename = self.n_layers - 1, _renamer(self.path, 3, self.n_layers - 1)
+        """The traced last layer: its inputs, parameters and module paths move from its index
+        in the cut-down list to ``L-1``."""
+        p, last = self.last, self.n_layers - 1
+        rename = _renamer(self.path, p, last)
 
         def arg(x: fx.Node) -> fx.Node:
-            if x in self.pos[2]:
-                return prev[self.pos[2][x]]
-            return self.attr_node(x, 3, last) if self.attr_rel(x, 3) is not None else x
+            if x in self.pos[p - 1]:
+                return prev[self.pos[p - 1][x]]
+            return self.attr_node(x, p, last) if self.attr_rel(x, p) is not None else x
 
-        for n in self.segs[3]:
+        for n in self.segs[p]:
             n.args, n.kwargs = pytree.tree_map_only(fx.Node, arg, (n.args, n.kwargs))
             n.meta["nn_module_stack"] = _module_stack(n.meta, rename)
