@@ -90,4 +90,4 @@ def test_memory_bound_quick_two_processes(tmp_path):
     else:
         assert auto["step_s"] > 0 and auto["peak_bytes"] > 0 and auto["estimate_parts"]["peak_memory_bytes"] > 0
         assert auto["estimate_parts"]["memory_budget_bytes"] == job["budgets"]["0.8"]
-        assert "autoparallel measured peak" in text
+        assert "autoparallel measured device peak" in text
