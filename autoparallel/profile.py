@@ -548,7 +548,7 @@ def _slowest_rank(mine: DevicePreset, device: torch.device) -> DevicePreset:
     that moment, so the least rate of one rank and the least efficiency of another are not
     one machine: taking each least on its own priced this VM's 4-rank steps 1.3x too slow."""
     fields = ("flops_fp32", "flops_half", "mem_bw", "op_overhead", "dtensor_op_overhead", "attention_efficiency",
-              "step_efficiency")
+              "host_link_bw", "host_mem_bw", "step_efficiency")  # step_efficiency last: the argmin reads it
     mine_row = torch.tensor([float(getattr(mine, f)) for f in fields], dtype=torch.float64, device=device)
     rows = torch.empty(dist.get_world_size() * len(fields), dtype=torch.float64, device=device)
     dist.all_gather_single(rows, mine_row)
