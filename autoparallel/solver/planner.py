@@ -186,7 +186,7 @@ class Planner:
         for ``found``)."""
         plan = self.make_plan(found[0], built.edges)
         stages = chain_stages(self.memory.nodes)
-        if not stages:
+        if not stages or search.fastest is None:
             return found, plan, None
         alt = search.recompute(search.fastest, stages, budget, lambda c: self.make_plan(c, built.edges),
                                self._forward_s)
