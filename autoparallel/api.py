@@ -9,8 +9,10 @@ import os
 import time
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -25,9 +27,11 @@ from .recipes import Comparison, Row
 from .solver import CostModel
 from .solver.memory import device_capacity, resolve_budget
 from .solver.pipeline import plan_on_rank0, plan_traced
+from .solver.stages import pipeline_axis, plan_stages
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import capture
-from .tracer.batch import global_batch
+from .tracer.batch import global_batch, microbatch
+from .tracer.stamp import find_layer_list
 from .validate import validate_plan
 
 
@@ -68,12 +72,42 @@ def plan(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec 
     mesh_spec = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, mesh, opts.cost_model)
     meta_inputs = _global_inputs(meta_inputs, opts, mesh_spec.shape)
     t0 = time.perf_counter()
+    if _pipelined(mesh_spec, opts):
+        return _plan_stages(model, meta_inputs, mesh_spec, opts)
     traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
                      device=opts.device)
     t_trace = time.perf_counter() - t0
     p = plan_traced(traced, mesh_spec, opts)
     p.solver_stats.stage_s["trace"] = t_trace
     return p
+
+
+def _pipelined(mesh_spec: MeshSpec, opts: PlanOptions) -> bool:
+    """Whether the plan may have pipeline stages: ``pipeline="auto"`` or a mesh axis named ``"pp"``."""
+    return opts.pipeline == "auto" or pipeline_axis(mesh_spec, opts) is not None
+
+
+def _plan_stages(model, meta_inputs, mesh_spec: MeshSpec, opts: PlanOptions) -> Plan:
+    """The plan of :func:`plan` when it may be pipelined (:func:`~autoparallel.solver.stages.
+    plan_stages`), over the model's repeated layers (:func:`~autoparallel.tracer.stamp.
+    find_layer_list`), each microbatch captured on demand.
+
+    Raises:
+        AutoParallelError: the model has no list of repeated layers to cut into stages.
+    """
+    layer_list = find_layer_list(model)
+    if layer_list is None:
+        raise AutoParallelError(f"pipeline stages cut a model's list of repeated layers, and {type(model).__name__} "
+                                "has none (an nn.ModuleList of at least 6 alike layers); plan it without a 'pp' "
+                                "mesh axis and with pipeline='off'")
+
+    def capture_at(microbatches: int):
+        return capture(model, microbatch(meta_inputs, microbatches), stamp_layers=opts.stamp_layers,
+                       mp_policy=opts.mp_policy, device=opts.device)
+
+    batch = next(t.shape[0] for t in pytree.tree_leaves(meta_inputs) if isinstance(t, torch.Tensor) and t.dim())
+    return plan_stages(capture_at, mesh_spec, opts, layers=layer_list.path, num_layers=len(layer_list.layers),
+                       batch=batch)
 
 
 def compare(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None,

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import precision
 from .constraints import check_type as check_constraints_type
+from .pipeline_plan import SCHEDULES
 from .plan import INPUTS, OUTPUTS
 from .solver.costs import CostModel
 from .solver.ilp import SOLVERS
@@ -29,6 +30,8 @@ PARALLELISM = ("auto", "data", "fsdp")
 CHECKPOINTING = ("auto", "off", "full", "selective")
 """Activation checkpointing: recompute when the budget asks for it, never, every stage, or every
 stage selectively (matmul and attention outputs kept)."""
+PIPELINE = ("off", "auto")
+"""Pipeline stages: never (unless a mesh axis is named ``"pp"``), or where they pay."""
 RENAMED = {"share_blocks": "share_layers"}
 """Deprecated keyword → its name now (accepted with a DeprecationWarning)."""
 
@@ -91,10 +94,18 @@ class PlanOptions:
             shapes; ``"local"``: every rank passes its own batch (DDP, a ``DistributedSampler``),
             ``meta_inputs`` have one rank's shapes, and the module computes on the ranks'
             batches concatenated along dim 0 in rank order (:data:`autoparallel.plan.INPUTS`).
+        pipeline: ``"auto"``: the planner may split the repeated layers into pipeline stages
+            over a mesh axis where that is faster (:mod:`autoparallel.solver.stages`);
+            ``"off"``: no stages, unless a mesh axis is named ``"pp"``, which always carries
+            them (:class:`~autoparallel.pipeline_plan.PipelinePlan`).
+        microbatches: pin the number of microbatches of a pipelined plan (``None``: chosen).
+        schedule: pin the schedule of a pipelined plan, one of
+            :data:`autoparallel.pipeline_plan.SCHEDULES` (``None``: chosen).
 
     Raises (on construction):
         TypeError: an option of the wrong type (named, with the value given).
-        ValueError: an unknown ``solver``, ``parallelism``, ``checkpointing``, ``optimizer``, ``outputs`` or ``inputs``; a
+        ValueError: an unknown ``solver``, ``parallelism``, ``checkpointing``, ``optimizer``, ``outputs``, ``inputs``,
+            ``pipeline`` or ``schedule``; ``microbatches`` not a positive int; a
             ``time_limit`` that is not positive and finite; an unreadable ``memory_budget``.
     """
 
@@ -117,6 +128,9 @@ class PlanOptions:
     replicate_buffers: bool = False
     inputs: str = "global"
     offload: bool = True
+    pipeline: str = "off"
+    microbatches: int | None = None
+    schedule: str | None = None
 
     def __post_init__(self):
         _check(self)
@@ -156,7 +170,8 @@ class PlanOptions:
                "share_layers": self.share_layers, "memory_budget": budget, "optimizer": self.optimizer,
                "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
                "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
-               "inputs": self.inputs, "checkpointing": self.checkpointing, "offload": self.offload}
+               "inputs": self.inputs, "checkpointing": self.checkpointing, "offload": self.offload,
+                "pipeline": self.pipeline, "microbatches": self.microbatches, "schedule": self.schedule}
 
 
 def _check(o: PlanOptions) -> None:
@@ -189,6 +204,13 @@ def _check(o: PlanOptions) -> None:
         raise ValueError(f"inputs must be {' or '.join(map(repr, INPUTS))}, not {o.inputs!r}")
     if o.constraints is not None:
         check_constraints_type(o.constraints)
+    if o.pipeline not in PIPELINE:
+        raise ValueError(f"pipeline must be {' or '.join(map(repr, PIPELINE))}, not {o.pipeline!r}")
+    if o.microbatches is not None and (isinstance(o.microbatches, bool) or not isinstance(o.microbatches, int)
+                                       or o.microbatches < 1):
+        raise ValueError(f"microbatches must be a positive int or None, not {o.microbatches!r}")
+    if o.schedule is not None and o.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))} or None, not {o.schedule!r}")
     if not isinstance(o.device, str):
         raise TypeError(f"device must be a device type string such as 'cuda' or 'cpu', not {o.device!r}")
 

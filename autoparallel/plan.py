@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 from . import precision
 from .jsonfields import _check, _fields, _is_count, _is_number
 from .mesh import MeshSpec
+from .pipeline_plan import PipelinePlan
 from .placement import R, Spec, is_replicated, spec_from_json, spec_str, spec_to_json, unit_of
 from .results import Estimate, Inspection, SolverStats, from_old_layout
 
@@ -321,6 +322,9 @@ class Plan:
         offloaded: names of the parameters held in host memory with their gradients and
             optimizer states (:mod:`autoparallel.strategies.offload`); empty in plans saved
             without the field.
+        pipeline: the pipeline stages (:class:`~autoparallel.pipeline_plan.PipelinePlan`), or
+            ``None`` (also in plans saved without the field). When set, ``mesh`` is one stage's
+            submesh and the graph planned is one microbatch's.
     """
 
     mesh: MeshSpec
@@ -335,6 +339,7 @@ class Plan:
     inspection: Inspection = field(default_factory=Inspection)
     inputs: str = "global"
     offloaded: tuple[str, ...] = ()
+    pipeline: PipelinePlan | None = None
 
     @property
     def collectives(self) -> list[dict]:
@@ -413,6 +418,7 @@ class Plan:
             "inspection": self.inspection.to_json(),
             "inputs": self.inputs,
             "offloaded": list(self.offloaded),
+            "pipeline": self.pipeline.to_json() if self.pipeline else None,
         })
 
     @classmethod
@@ -432,7 +438,8 @@ class Plan:
         if isinstance(d, dict) and "conversions" in d and "redistributions" not in d:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
         _fields(d, _PLAN_FIELDS, "plan",
-                optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs", "offloaded"))
+                optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs", "offloaded",
+                          "pipeline"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
@@ -480,7 +487,8 @@ class Plan:
             recompute = checkpoint.recompute_s if checkpoint else 0.0
             estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
         return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
-                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs, tuple(offloaded))
+                   checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs, tuple(offloaded),
+                   PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") is not None else None)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -492,7 +500,7 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy", "inspection", "inputs", "offloaded")
+                "outputs", "mp_policy", "inspection", "inputs", "offloaded", "pipeline")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

@@ -37,3 +37,20 @@ def local_input_meta(input_meta, world: int) -> list:
     value)``) with each tensor's dim 0 divided by ``world``: what one rank passes."""
     return [((shape[0] // world, *shape[1:]), dtype) if shape is not None else (shape, dtype)
             for shape, dtype in input_meta]
+
+
+def microbatch(meta_inputs, microbatches: int):
+    """``meta_inputs`` (global shapes) with each tensor's dim 0 divided by ``microbatches``:
+    one microbatch of a pipelined plan (torch's schedules split every tensor along dim 0).
+
+    Raises:
+        ValueError: a tensor whose dim 0 ``microbatches`` does not divide, or a 0-d tensor."""
+    def split(path, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise ValueError(f"argument {pytree.keystr(path)} of shape {tuple(t.shape)} does not split into "
+                             f"{microbatches} microbatches along dim 0; pick microbatches= dividing the batch")
+        return torch.empty((t.shape[0] // microbatches, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+    return pytree.tree_map_with_path(split, meta_inputs)
