@@ -17,7 +17,7 @@ from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
 from .codegen import ParallelModule
-from .codegen.emit import Recapture, check_rank_order, emit
+from .codegen.emit import Recapture, check_rank_order, emit, emit_pipeline
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
 from .options import PlanOptions
@@ -26,12 +26,13 @@ from .profile import profile_mesh
 from .recipes import Comparison, Row
 from .solver import CostModel
 from .solver.memory import device_capacity, resolve_budget
-from .solver.pipeline import plan_on_rank0, plan_traced
+from .solver.pipeline import on_rank0, plan_on_rank0, plan_traced
 from .solver.stages import pipeline_axis, plan_stages
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import capture
 from .tracer.batch import global_batch, microbatch
 from .tracer.stamp import find_layer_list
+from .tracer.untie import untie_pieces
 from .validate import validate_plan
 
 
@@ -89,25 +90,34 @@ def _pipelined(mesh_spec: MeshSpec, opts: PlanOptions) -> bool:
 
 def _plan_stages(model, meta_inputs, mesh_spec: MeshSpec, opts: PlanOptions) -> Plan:
     """The plan of :func:`plan` when it may be pipelined (:func:`~autoparallel.solver.stages.
-    plan_stages`), over the model's repeated layers (:func:`~autoparallel.tracer.stamp.
-    find_layer_list`), each microbatch captured on demand.
+    plan_stages`), over the model's repeated layers, each microbatch captured on demand
+    (:func:`_stage_capture`)."""
+    layers = _layer_list(model)
+    batch = next(t.shape[0] for t in pytree.tree_leaves(meta_inputs) if isinstance(t, torch.Tensor) and t.dim())
+    return plan_stages(lambda m: _stage_capture(model, meta_inputs, opts, layers.path, m)[0], mesh_spec, opts,
+                       layers=layers.path, num_layers=len(layers.layers), batch=batch)
+
+
+def _layer_list(model):
+    """The list of repeated layers pipeline stages cut (:func:`~autoparallel.tracer.stamp.find_layer_list`).
 
     Raises:
-        AutoParallelError: the model has no list of repeated layers to cut into stages.
-    """
-    layer_list = find_layer_list(model)
-    if layer_list is None:
+        AutoParallelError: the model has none."""
+    layers = find_layer_list(model)
+    if layers is None:
         raise AutoParallelError(f"pipeline stages cut a model's list of repeated layers, and {type(model).__name__} "
                                 "has none (an nn.ModuleList of at least 6 alike layers); plan it without a 'pp' "
                                 "mesh axis and with pipeline='off'")
+    return layers
 
-    def capture_at(microbatches: int):
-        return capture(model, microbatch(meta_inputs, microbatches), stamp_layers=opts.stamp_layers,
-                       mp_policy=opts.mp_policy, device=opts.device)
 
-    batch = next(t.shape[0] for t in pytree.tree_leaves(meta_inputs) if isinstance(t, torch.Tensor) and t.dim())
-    return plan_stages(capture_at, mesh_spec, opts, layers=layer_list.path, num_layers=len(layer_list.layers),
-                       batch=batch)
+def _stage_capture(model, meta_inputs, opts: PlanOptions, layers: str, microbatches: int):
+    """One microbatch of ``meta_inputs`` (global shapes) captured, its tied parameters untied
+    between the pieces that read them (:func:`~autoparallel.tracer.untie.untie_pieces`);
+    returns the capture and the untied names (new → original)."""
+    traced = capture(model, microbatch(meta_inputs, microbatches), stamp_layers=opts.stamp_layers,
+                     mp_policy=opts.mp_policy, device=opts.device)
+    return traced, untie_pieces(traced, layers)
 
 
 def compare(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None,
@@ -281,6 +291,8 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
                              inputs=plan.inputs if plan is not None else opts.inputs)
     if opts.inputs == "local":
         check_rank_order(device_mesh)  # before planning: the batches must concatenate in rank order
+    if _pipelined(mesh, opts) or plan is not None and plan.pipeline is not None:
+        return _parallelize_stages(model, meta_inputs, device_mesh, mesh, opts, plan, cap)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         traced = capture(model, _global_inputs(meta_inputs, opts, mesh.shape), stamp_layers=opts.stamp_layers,
                          mp_policy=opts.mp_policy, device=opts.device)
@@ -292,6 +304,33 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
     pmodel = emit(model, traced, plan, device_mesh, check_batch_every=check_batch_every, bucket_cap_bytes=cap)
     pmodel._ap.recapture = recapture
     return pmodel
+
+
+def _parallelize_stages(model, meta_inputs, device_mesh, mesh: MeshSpec, opts: PlanOptions, plan: Plan | None,
+                        cap: int) -> ParallelModule:
+    """:func:`autoparallelize` for a plan that may be pipelined: planned on rank 0
+    (:func:`_plan_stages`), captured for its microbatch, emitted by
+    :func:`~autoparallel.codegen.emit.emit_pipeline` when it has stages (else as any plan).
+
+    Raises:
+        AutoParallelError: under ``inputs="local"`` (a pipeline's first stage reads the whole
+            batch), or as :func:`_plan_stages` and :func:`autoparallelize`.
+    """
+    if opts.inputs == "local":
+        raise AutoParallelError("a pipelined plan reads the global batch on every rank: use inputs='global'")
+    meta_inputs = _global_inputs(meta_inputs, opts, mesh.shape)
+    layers = _layer_list(model)
+    with maybe_disable_local_tensor_mode():
+        if plan is None:
+            plan = on_rank0(lambda: _plan_stages(model, meta_inputs, mesh, opts))
+        if plan.pipeline is None:  # the search kept no stages
+            traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
+                             device=opts.device)
+            validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
+            return emit(model, traced, plan, device_mesh, check_batch_every=0, bucket_cap_bytes=cap)
+        traced, untied = _stage_capture(model, meta_inputs, opts, layers.path, plan.pipeline.microbatches)
+        validate_plan(plan, traced, mesh_shape=plan.mesh.shape)
+    return emit_pipeline(model, traced, plan, device_mesh, untied, cap)
 
 
 def _check_run(model: nn.Module, device_mesh, plan) -> Plan | None:

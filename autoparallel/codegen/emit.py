@@ -10,6 +10,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.tensor import DTensor
 
@@ -17,7 +18,9 @@ from ..errors import AutoParallelError, MeshMismatchError
 from ..mesh import MeshSpec
 from ..options import PlanOptions
 from ..passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
-from ..passes.lower import lower
+from ..fqn import get_attr
+from ..passes.lower import lower, lower_stages
+from ..passes.stages import loss_index
 from ..placement import replicated
 from ..plan import Plan
 from ..solver.pipeline import plan_on_rank0
@@ -26,6 +29,7 @@ from ..tracer.batch import global_batch, local_input_meta
 from .batch_check import checked_every
 from .code import readable
 from .module import ParallelModule, Variant, module_state, parallelize_in_place
+from .pipeline import PipelineRuntime, drop_other_stages, local_targets, stage_meshes, stand_in
 
 log = logging.getLogger("autoparallel")
 
@@ -51,6 +55,39 @@ def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: i
     pmodel = parallelize_in_place(model, plan, device_mesh, param_names=traced.params, buffer_names=traced.buffers,
                                   check_batch_every=every, bucket_cap_bytes=bucket_cap_bytes)
     add_variant(pmodel, traced, plan, device_mesh)
+    return pmodel
+
+
+def emit_pipeline(model: nn.Module, traced, plan: Plan, device_mesh, untied: dict[str, str],
+                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> ParallelModule:
+    """Make ``model`` run the pipelined ``plan`` (for ``traced``, one microbatch's capture,
+    whose tied parameters ``untied`` names, :func:`~autoparallel.tracer.untie.untie_pieces`)
+    in place: it keeps the parameters of this device's stages only, in the plan's placements
+    over the stage submesh, and trains through :meth:`ParallelModule.step`
+    (:mod:`autoparallel.codegen.pipeline`). Returns ``model``.
+
+    Raises:
+        MeshMismatchError: a mesh of another shape than the plan's, or without axis names.
+    """
+    submesh, pp_rank = stage_meshes(device_mesh, plan.pipeline)
+    keep = local_targets(traced, plan.pipeline, pp_rank)
+    drop_other_stages(model, traced, keep)
+    pmodel = parallelize_in_place(model, plan, submesh, param_names=[t for t in traced.params if t in keep],
+                                  buffer_names=[t for t in traced.buffers if t in keep], check_batch_every=0,
+                                  bucket_cap_bytes=bucket_cap_bytes)
+    root, fake = pmodel.graph_root(traced.constants), FakeTensorMode(allow_non_fake_inputs=True)
+    for target in list(traced.params) + list(traced.buffers):  # other stages' state: run on fake tensors only
+        if target not in root:
+            root[target] = stand_in(get_attr(traced.gm, target), plan.param_placements.get(target), submesh,
+                                    plan.holds_dtensors, fake)
+    graphs = [readable(g) for g in lower_stages(traced, plan, submesh, root, bucket_cap_bytes)]
+    mine = plan.pipeline.stages_of_rank(pp_rank)
+    pmodel.add_variant(graphs[mine[0]], plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
+                       input_meta=traced.input_meta)
+    pmodel._ap.pipeline = PipelineRuntime(pmodel, plan.pipeline, graphs, device_mesh, pp_rank, pmodel._ap.coord,
+                                          traced.input_meta, traced.in_spec, untied, traced,
+                                          traced.gm.graph.find_nodes(op="output")[0].args[0][loss_index(traced.gm)]
+                                          .meta["val"].dtype, fake)
     return pmodel
 
 

@@ -226,6 +226,7 @@ class _State:
     recapture: object = None
     eager: EagerRunner = field(default_factory=EagerRunner)
     no_sync: bool = False
+    pipeline: object = None
 
 
 class ParallelModule(NotPicklable, nn.Module):
@@ -351,7 +352,39 @@ class ParallelModule(NotPicklable, nn.Module):
         self._ap.variants[variant_key(variant, module_state(self)[0])] = variant
         return variant
 
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step's forward and backward on the global batch ``(args, kwargs)``
+        (under ``inputs="local"`` this rank's batch), for any plan: a pipelined one runs its
+        schedule over the microbatches (:mod:`autoparallel.codegen.pipeline`), any other calls
+        the module and backpropagates its loss. Then call ``optimizer.step()``.
+
+        Returns:
+            the loss, detached, the same on every rank: the first 0-d floating value the model
+            returns (a Hugging Face model's ``loss``); a pipelined plan's is the mean of its
+            microbatches' losses, which is the batch's when each microbatch's loss is a mean
+            over the same number of elements.
+
+        Raises:
+            AutoParallelError: the model returns no 0-d floating value to backpropagate.
+            InputMismatchError: a pipelined module called with inputs it was not planned for.
+        """
+        if self._ap.pipeline is not None:
+            return self._ap.pipeline.step(args, kwargs)
+        out = self(*args, **kwargs)
+        loss = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.dim() == 0
+                     and x.is_floating_point()), None)
+        if loss is None:
+            raise AutoParallelError(f"step() backpropagates the loss the model returns, but {type(self).__name__} "
+                                    "returned no 0-d floating tensor (pass labels, or call the module and "
+                                    "backpropagate your own loss)")
+        loss.backward()
+        return loss.detach()
+
     def forward(self, *args, **kwargs):
+        if self._ap.pipeline is not None:
+            raise AutoParallelError(f"{type(self).__name__} runs pipeline stages: each device holds only its own "
+                                    "stages, so it cannot be called; train with loss = model.step(**batch), then "
+                                    "optimizer.step()")
         attributes, hooked = module_state(self)
         key = call_key(self.training, args, kwargs, attributes)
         variant = self._ap.variants.get(key)

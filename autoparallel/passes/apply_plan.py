@@ -297,8 +297,9 @@ class _PerDeviceGraph:
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                  param_targets: set[str], world_size: int, traced_on: str, bucket_cap_bytes: int,
-                 offloaded: frozenset[str]):
+                 offloaded: frozenset[str], stage_of: dict[str, int] | None):
         self.gm, self.plan, self.device, self.traced_on = gm, plan, device, traced_on
+        self.stage_of = stage_of
         self.offloaded = offloaded
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_targets, self.world_size = param_targets, world_size
@@ -334,7 +335,7 @@ class _PerDeviceGraph:
             self.env[node] = self.graph.call_function(param_local, (attr,))
             if node.target in self.offloaded:  # held in host memory: its shard copied to the device
                 self.env[node] = self.graph.call_function(onto_device, (self.env[node], self.device))
-        for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes):
+        for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes, self.stage_of):
             groups = tuple(self.groups[a] for a in b.axes)
             since = _tail(self.graph)
             members = [attrs[m] for m in b.members]
@@ -565,7 +566,8 @@ def _op_name(n: fx.Node) -> str:
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                param_targets: set[str], world_size: int, traced_on: str = "meta",
-               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, offloaded: frozenset[str] = frozenset()) -> fx.Graph:
+               bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, offloaded: frozenset[str] = frozenset(),
+               stage_of: dict[str, int] | None = None) -> fx.Graph:
     """Build the per-device graph for ``plan`` (module docstring).
 
     Args:
@@ -580,12 +582,14 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
         bucket_cap_bytes: the largest gradient bucket in bytes per device (:func:`grad_buckets`).
         offloaded: ``get_attr`` targets of parameters held in host memory (``plan.offloaded``):
             their shards are copied to ``device`` where read (:func:`~autoparallel.runtime_kernels.onto_device`).
+        stage_of: traced node name → pipeline stage of a pipelined plan (gradient buckets
+            then hold one stage's parameters each).
 
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
     """
     return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on,
-                           bucket_cap_bytes, offloaded).build()
+                           bucket_cap_bytes, offloaded, stage_of).build()
 
 
 def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:

@@ -48,7 +48,8 @@ def _local_nbytes(node: fx.Node, spec, mesh_shape, dtype: torch.dtype) -> int:
 
 
 def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> list[GradBucket]:
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 stage_of: dict[str, int] | None = None) -> list[GradBucket]:
     """The gradient buckets of ``gm`` under ``plan``, in the order the backward fills them.
 
     Args:
@@ -56,6 +57,8 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
         plan: its plan (placements of the ``get_attr`` nodes, mixed-precision policy).
         param_targets: ``get_attr`` targets that are parameters or buffers.
         bucket_cap_bytes: the largest flat buffer, in bytes per device.
+        stage_of: ``get_attr`` node name → its pipeline stage, for a pipelined plan: a bucket
+            holds the parameters of one stage (each stage's devices reduce their own).
 
     Raises:
         ValueError: ``bucket_cap_bytes`` is not a positive integer.
@@ -81,7 +84,7 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
         dtype = node.meta["val"].dtype
         reduced_in = reduce_in if reduce_in is not None and dtype.is_floating_point else dtype
         nbytes = _local_nbytes(node, spec, ms, reduced_in)
-        key = (axes, dtype, reduced_in)
+        key = (axes, dtype, reduced_in, (stage_of or {}).get(node.name, 0))
         b = open_.get(key)
         if b is not None and b.nbytes + nbytes > bucket_cap_bytes:
             done.append(open_.pop(key))

@@ -14,9 +14,32 @@ from ..rewrites import apply_rewrites
 from .checkpoint import apply_checkpointing
 from .dropout import shard_random_ops
 from .overlap import overlap_collectives
+from .stages import loss_index, split_stages, traced_stages
 
 
 def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.GraphModule:
+    """The per-device graph of ``plan`` for ``traced`` (see :func:`_lowered`)."""
+    gm = _lowered(traced, plan, device_mesh, root, bucket_cap_bytes)
+    _finish(gm, plan)
+    return gm
+
+
+def lower_stages(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> list[fx.GraphModule]:
+    """The per-device graphs of a pipelined ``plan``'s stages (:mod:`autoparallel.passes.stages`),
+    every stage's: ``device_mesh`` is one stage's submesh, ``root`` holds every parameter (those
+    of other stages' may be meta tensors: no stage reads them). The passes of :func:`lower`,
+    gradient buckets holding one stage's parameters each, the graph cut before activation
+    checkpointing and the overlap of collectives, which then run per stage."""
+    source_stage = traced_stages(traced.gm, plan.pipeline)
+    gm = _lowered(traced, plan, device_mesh, root, bucket_cap_bytes, source_stage)
+    graphs = split_stages(gm, source_stage, plan.pipeline.stages, loss_index(traced.gm))
+    for g in graphs:
+        _finish(g, plan)
+    return graphs
+
+
+def _lowered(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int,
+             stage_of: dict[str, int] | None = None) -> fx.GraphModule:
     """The per-device graph of ``plan`` for ``traced`` (a
     :class:`~autoparallel.tracer.capture.TracedModel`) on ``device_mesh``, as a GraphModule
     over ``root`` (a module or a dict: where its ``get_attr`` nodes read parameters, buffers
@@ -32,13 +55,17 @@ def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.Gr
     targets = set(traced.params) | set(traced.buffers)
     offloaded = frozenset(t for t, names in traced.params.items() if set(names) & set(plan.offloaded))
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
-                       traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes, offloaded=offloaded)
+                       traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes, offloaded=offloaded,
+                       stage_of=stage_of)
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
     apply_rewrites(graph, traced.gm.graph, plan)  # the registry the memory model reads too
-    gm = ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
+    return ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
+
+
+def _finish(gm: fx.GraphModule, plan: Plan) -> None:
+    """Activation checkpointing and the overlap of the forward's collectives, in place."""
     if plan.checkpoint:
         stages = plan.checkpoint.stages
         stage_of = {n: stages[n.meta["source"]] for n in gm.graph.nodes if n.meta.get("source") in stages}
         apply_checkpointing(gm, stage_of, plan.checkpoint.regions)
     overlap_collectives(gm.graph)
-    return gm

@@ -255,19 +255,25 @@ def _pin(strategies, traced, pinned: dict[str, Spec]) -> None:
 
 
 def plan_on_rank0(traced, mesh: MeshSpec, options: PlanOptions, pinned=None) -> Plan:
-    """:func:`plan_traced` on rank 0, broadcast to every rank (every rank plans when there is
-    one, or when all are simulated in this process). Call with local tensor mode off.
+    """:func:`plan_traced` on rank 0, broadcast to every rank (:func:`on_rank0`)."""
+    return on_rank0(lambda: plan_traced(traced, mesh, options, pinned=pinned))
+
+
+def on_rank0(solve) -> Plan:
+    """``solve()`` (a :class:`Plan`) on rank 0, broadcast to every rank (every rank solves
+    when there is one, or when all are simulated in this process). Call with local tensor
+    mode off.
 
     Raises:
         whatever planning raised on rank 0, on every rank: an error of autoparallel or of
         Python's builtins with the same type and message, anything else as AutoParallelError.
     """
     if dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return plan_traced(traced, mesh, options, pinned=pinned)
+        return solve()
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            payload = [("plan", plan_traced(traced, mesh, options, pinned=pinned).to_json())]
+            payload = [("plan", solve().to_json())]
         except Exception as e:
             payload = [("error", type(e).__name__, str(e))]
             dist.broadcast_object_list(payload, src=0)
