@@ -75,33 +75,26 @@ def local_targets(traced, pipeline: PipelinePlan, pp_rank: int) -> set[str]:
 
 
 def drop_other_stages(model: nn.Module, traced, keep: set[str]) -> None:
-    """Set to ``None`` every parameter and buffer of ``model`` that the capture reads (under
-    any of its names) and no stage of this device does, so that the model holds its own
-    stages' state only, under the original names.
+    """Set to ``None`` every name of each parameter and buffer of the capture that no stage of
+    this device reads (a tied tensor this device keeps under another name loses the other
+    stage's name), so that the model holds its own stages' state only, under its names.
 
     Raises:
         AutoParallelError: one tensor held under two names of which this device needs both
             apart (a tie the stages of one device would break)."""
-    kept = {}
+    kept: dict[int, str] = {}
+    for target in [t for t in list(traced.params) + list(traced.buffers) if t in keep]:
+        t = get_attr(model, target)
+        if id(t) in kept:
+            raise AutoParallelError(f"{target} and {kept[id(t)]} are one tied tensor read by two stages of this "
+                                    "device; choose boundaries that keep their readers on one device")
+        kept[id(t)] = target
     for targets in (traced.params, traced.buffers):
         for target, names in targets.items():
-            t = get_attr(model, target)
-            if target in keep:
-                if id(t) in kept:
-                    raise AutoParallelError(f"{target} and {kept[id(t)]} are one tied tensor read by two stages of "
-                                            "this device; choose boundaries that keep their readers on one device")
-                kept[id(t)] = target
-    for targets in (traced.params, traced.buffers):
-        for target, names in targets.items():
-            if target in keep:
-                continue
-            for name in names:
+            for name in names if target not in keep else ():
                 prefix, _, leaf = name.rpartition(".")
                 owner = model.get_submodule(prefix)
-                if id(get_attr(model, name)) in kept:
-                    continue  # the name of a tensor another stage of this device keeps
-                table = owner._parameters if leaf in owner._parameters else owner._buffers
-                table[leaf] = None
+                (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = None
 
 
 class StageModule(nn.Module):
@@ -299,10 +292,10 @@ def stand_in(value: torch.Tensor, spec, submesh: DeviceMesh, as_dtensor: bool, f
     ``value`` (global shape), shaped as this device would hold it in placements ``spec``
     (replicated when ``None``): what :func:`stage_io` runs that stage's graph on."""
     spec = list(spec) if spec is not None else [Replicate()] * submesh.ndim
+    local_shape, _ = compute_local_shape_and_global_offset(value.shape, submesh, spec)
     with fake:
         if not as_dtensor:
             return torch.empty(value.shape, dtype=value.dtype, device=submesh.device_type)
-        local_shape, _ = compute_local_shape_and_global_offset(value.shape, submesh, spec)
         local = torch.empty(local_shape, dtype=value.dtype, device=submesh.device_type)
         return DTensor.from_local(local, submesh, spec, run_check=False, shape=value.shape,
                                   stride=torch.empty(value.shape, device="meta").stride())
