@@ -475,12 +475,13 @@ def finish(cand: Candidate, budget: int | None) -> Plan:
 
 def price_pipeline(inner: Plan, traced, mesh: MeshSpec, axis: int, options: PlanOptions, *, layers: str,
                    num_layers: int, microbatches: int, budget: int | None, schedules: list[str],
-                   boundaries: tuple[int, ...] | None = None) -> tuple[Candidate | None, float]:
+                   boundaries: tuple[int, ...] | None = None, pieces: Pieces | None = None
+                   ) -> tuple[Candidate | None, float]:
     """The fastest pipeline over ``schedules`` of the intra-stage plan ``inner`` (of the
     model ``traced`` for one of ``microbatches`` microbatches on the mesh less ``axis``), with
     its boundaries searched (or ``boundaries``), and the smallest peak seen (bytes)."""
     cost_model = options.cost_model or CostModel()
-    pieces = aggregate(inner, traced, layers, num_layers, options)
+    pieces = pieces if pieces is not None else aggregate(inner, traced, layers, num_layers, options)
     priced = _Priced(pieces, *_link(cost_model, mesh, axis))
     pp = mesh.shape[axis]
     best, low = None, math.inf
@@ -570,7 +571,8 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     return plan
 
 
-def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro):
+def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
+               schedules=None, boundaries=None):
     """The best pipeline at ``micro`` microbatches over ``axis``: the intra-stage plan solved
     first without a budget (the fastest strategies); when no split of it fits, solved again
     under the budget that leaves a stage its share: ``budget + state · (pp − 1) / pp`` (the
@@ -578,7 +580,7 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
     a stage holds ``1/pp``; 1F1B's first stage holds about one microbatch of every layer's
     activations), at most three times."""
     pp = mesh.shape[axis]
-    schedules = _schedules(pp, num_layers, micro, options)
+    schedules = schedules or _schedules(pp, num_layers, micro, options)
     inner_budget = "unlimited"
     low = math.inf
     for _ in range(3):
@@ -587,12 +589,14 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
         except InfeasiblePlanError as e:
             log.info("intra-stage plan at %d microbatches: %s", micro, e)
             return None, low
+        pieces = aggregate(inner, traced, layers, num_layers, options)
         cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
-                                    microbatches=micro, budget=budget, schedules=schedules)
+                                    microbatches=micro, budget=budget, schedules=schedules, boundaries=boundaries,
+                                    pieces=pieces)
         low = min(low, peak)
         if cand is not None or budget is None:
             return cand, low
-        state = sum(aggregate_state(inner, traced, layers, num_layers, options))
+        state = float(pieces.state.sum())
         nxt = int(budget + state * (pp - 1) / pp)
         if inner_budget != "unlimited" and nxt >= inner_budget:
             nxt = int(inner_budget * 0.8)
@@ -600,5 +604,44 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
     return None, low
 
 
-def aggregate_state(inner, traced, layers, num_layers, options):
-    return aggregate(inner, traced, layers, num_layers, options).state
+RECIPE = "PP × FSDP × TP"
+
+
+def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: PlanOptions, *, layers: str,
+               num_layers: int, batch: int, plan: Plan | None = None):
+    """The hand-written 3-D recipe (torchtitan's layout) as a :class:`~autoparallel.recipes.Row`:
+    the pipeline axis of ``plan`` (else the one named ``"pp"``, else the first axis), an even
+    split of the layers, 1F1B, ``plan``'s microbatches (else ``pp``), and within a stage the
+    FSDP + TP recipe of :func:`autoparallel.recipes.recipes` on the submesh (Megatron TP where
+    the submesh has one axis), priced by the same step and memory model as the search."""
+    from ..recipes import Row, recipes
+
+    pl = plan.pipeline if plan is not None else None
+    axis = pl.axis if pl is not None else pipeline_axis(mesh, options)
+    axis = 0 if axis is None else axis
+    pp = mesh.shape[axis]
+    micro = pl.microbatches if pl is not None else (options.microbatches or pp)
+    name = f"{RECIPE} (1F1B, even split over {mesh.axis_names[axis]}, {micro} microbatches)"
+    if pp < 2 or pp > num_layers or batch % micro or micro < pp:
+        return Row(name, None, f"{pp} stages over {num_layers} layers with {micro} microbatches of a batch of "
+                               f"{batch} cannot be written")
+    cost_model = options.cost_model or CostModel()
+    budget = resolve_budget(options.memory_budget, lambda: preset_capacity(cost_model.device))
+    sub = submesh(mesh, axis)
+    traced = capture_at(micro)
+    listed = {r.name: r for r in recipes(traced, sub)}
+    inner_recipe = listed.get("FSDP + TP")
+    if inner_recipe is None or inner_recipe.constraints is None:
+        inner_recipe = next((r for r in listed.values() if r.name.startswith("Megatron TP")), inner_recipe)
+    if inner_recipe is None or inner_recipe.constraints is None:
+        return Row(name, None, inner_recipe.reason if inner_recipe else "no FSDP + TP recipe for the stage")
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+                            constraints=inner_recipe.constraints)
+    try:
+        cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro,
+                               schedules=["1F1B"], boundaries=even_boundaries(num_layers, pp))
+    except AutoParallelError as e:
+        return Row(name, None, f"{type(e).__name__}: {e}")
+    if cand is None:
+        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget (smallest peak {units.nbytes(low)})")
+    return Row(name, finish(cand, budget), notes=[f"{inner_recipe.name} within a stage"])
