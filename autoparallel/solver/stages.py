@@ -578,12 +578,12 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
     under the budget that leaves a stage its share: ``budget + state · (pp − 1) / pp`` (the
     whole model's parameters, gradients and optimizer states of the previous solve, of which
     a stage holds ``1/pp``; 1F1B's first stage holds about one microbatch of every layer's
-    activations), at most three times."""
+    activations), once."""
     pp = mesh.shape[axis]
     schedules = schedules or _schedules(pp, num_layers, micro, options)
     inner_budget = "unlimited"
     low = math.inf
-    for _ in range(3):
+    for _ in range(2):
         try:
             inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget))
         except InfeasiblePlanError as e:
