@@ -407,6 +407,8 @@ def price_schedule(priced: _Priced, pp: int, schedule: str, microbatches: int, b
             return None, (max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b)
                               in enumerate(zip(even, even[1:]))) if even else math.inf)
     spans = list(zip(boundaries, boundaries[1:]))
+    if not all(fits(s, a, b) for s, (a, b) in enumerate(spans)):  # given boundaries that do not fit
+        return None, max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b) in enumerate(spans))
     stage_s = [priced.sum(priced.p.micro_s, a, b) for a, b in spans]
     peaks = [int(priced.stage_peak(a, b, flight[s % pp])) for s, (a, b) in enumerate(spans)]
     rank_s = [sum(stage_s[r::pp]) for r in range(pp)]
