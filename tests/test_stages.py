@@ -113,3 +113,12 @@ def test_summary_lines(gpt2_pp):
 def test_no_split_fits_names_the_smallest_peak():
     with pytest.raises(InfeasiblePlanError, match="smallest stage peak"):
         plan(gpt2(), batch(), MeshSpec((2,), ("pp",)), microbatches=2, memory_budget="1MiB")
+
+
+def test_compare_prices_the_3d_recipe_by_the_same_model():
+    c = autoparallel.compare(gpt2(), batch(16), mesh_spec=MeshSpec((2, 2, 2), ("pp", "dp", "tp")), cache_dir=False)
+    names = [r.name for r in c.rows]
+    assert names[0] == "autoparallel plan" and names[1].startswith(stages.RECIPE)
+    recipe = c.rows[1].plan
+    assert recipe.pipeline.schedule == "1F1B" and recipe.pipeline.boundaries == (0, 3, 6)
+    assert c.plan.estimate.step_time_s <= recipe.estimate.step_time_s
