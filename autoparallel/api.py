@@ -27,7 +27,7 @@ from .recipes import Comparison, Row
 from .solver import CostModel
 from .solver.memory import device_capacity, resolve_budget
 from .solver.pipeline import on_rank0, plan_on_rank0, plan_traced
-from .solver.stages import pipeline_axis, plan_stages
+from .solver.stages import pipeline_axis, plan_stages, recipe_row
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import capture
 from .tracer.batch import global_batch, microbatch
@@ -88,14 +88,25 @@ def _pipelined(mesh_spec: MeshSpec, opts: PlanOptions) -> bool:
     return opts.pipeline == "auto" or pipeline_axis(mesh_spec, opts) is not None
 
 
-def _plan_stages(model, meta_inputs, mesh_spec: MeshSpec, opts: PlanOptions) -> Plan:
+def _plan_stages(model, meta_inputs, mesh_spec: MeshSpec, opts: PlanOptions, rows: list | None = None) -> Plan:
     """The plan of :func:`plan` when it may be pipelined (:func:`~autoparallel.solver.stages.
     plan_stages`), over the model's repeated layers, each microbatch captured on demand
     (:func:`_stage_capture`)."""
     layers = _layer_list(model)
     batch = next(t.shape[0] for t in pytree.tree_leaves(meta_inputs) if isinstance(t, torch.Tensor) and t.dim())
-    return plan_stages(lambda m: _stage_capture(model, meta_inputs, opts, layers.path, m)[0], mesh_spec, opts,
-                       layers=layers.path, num_layers=len(layers.layers), batch=batch)
+
+    captures: dict[int, object] = {}  # the search prices several stage splits per microbatch size
+
+    def capture_at(microbatches: int):
+        if microbatches not in captures:
+            captures[microbatches] = _stage_capture(model, meta_inputs, opts, layers.path, microbatches)[0]
+        return captures[microbatches]
+
+    best = plan_stages(capture_at, mesh_spec, opts, layers=layers.path, num_layers=len(layers.layers), batch=batch)
+    if rows is not None:  # compare(): the hand-written 3-D recipe, priced by the same step model
+        rows.append(recipe_row(capture_at, mesh_spec, opts, layers=layers.path, num_layers=len(layers.layers),
+                               batch=batch, plan=best))
+    return best
 
 
 def _layer_list(model):
@@ -144,6 +155,10 @@ def compare(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSp
             raise TypeError(f"compare() prices the unconstrained plan against the recipes: pass no {key}")
     opts = PlanOptions.build(options, "compare", **keywords)
     mesh_spec = _plan_mesh(model, meta_inputs, mesh_shape, mesh_spec, None, opts.cost_model)
+    if _pipelined(mesh_spec, opts):
+        rows: list[Row] = []
+        best = _plan_stages(model, _global_inputs(meta_inputs, opts, mesh_spec.shape), mesh_spec, opts, rows)
+        return Comparison(mesh_spec, [Row("autoparallel plan", best)] + rows)
     traced = capture(model, _global_inputs(meta_inputs, opts, mesh_spec.shape), stamp_layers=opts.stamp_layers,
                      mp_policy=opts.mp_policy, device=opts.device)
     rows: list[Row] = []

@@ -91,7 +91,7 @@ def _axes(plan: "Plan", axes) -> str:
 
 def summary(plan: "Plan") -> str:
     """The one-screen summary of ``plan`` (module docstring)."""
-    parts = [_header(plan), _step(plan), _memory(plan), _compared(plan), _inputs(plan), _parameters(plan),
+    parts = [_header(plan), _pipeline(plan), _step(plan), _memory(plan), _compared(plan), _inputs(plan), _parameters(plan),
              _layer_collectives(plan)]
     return "\n".join(p for p in parts if p)
 
@@ -105,6 +105,43 @@ def _header(plan: "Plan") -> str:
     if constraints:
         line += "\nconstraints: " + ", ".join(f"{k} {v}" for k, v in constraints.items())
     return line
+
+
+def _pipeline(plan: "Plan") -> str:
+    """The pipeline stages of a pipelined plan: its axis, each stage's layers, seconds per
+    microbatch and peak, the microbatches, schedule, bubble and sends; empty otherwise."""
+    pl = getattr(plan, "pipeline", None)
+    if pl is None:
+        return ""
+    name = pl.mesh.axis_names[pl.axis]
+    lines = [f"pipeline over mesh axis {name} ({pl.pp} devices): {pl.stages} stages of {pl.layers}, "
+             f"{pl.microbatches} microbatches, {pl.schedule}, bubble {pl.bubble:.0%}, "
+             f"sends {units.seconds(pl.p2p_s)} per microbatch per boundary; the plan below is one stage's "
+             f"on the other axes, for one microbatch"]
+    rows, spans = [], list(zip(pl.boundaries, pl.boundaries[1:]))
+    s = 0
+    while s < pl.stages:
+        a, b = spans[s]
+        key = (b - a, pl.stage_s[s] if pl.stage_s else None, pl.stage_peak_bytes[s] if pl.stage_peak_bytes else None)
+        e = s
+        while 0 < s and e + 1 < pl.stages - 1 and (spans[e + 1][1] - spans[e + 1][0], *key[1:]) == key \
+                and (pl.stage_s[e + 1] if pl.stage_s else None) == key[1]:
+            e += 1
+        if e > s:
+            what = f"layers {a}-{spans[e][1] - 1}, {b - a} each"
+            who = f"stages {s}-{e}"
+        else:
+            what = f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}"
+            who = f"stage {s}" + (f" (rank {s % pl.pp})" if pl.stages > pl.pp else "")
+        if s == 0:
+            what = "embeddings, " + what
+        if e == pl.stages - 1:
+            what += ", head and loss"
+        t = units.seconds(pl.stage_s[s]) if pl.stage_s else "?"
+        peak = units.nbytes(pl.stage_peak_bytes[s]) if pl.stage_peak_bytes else "?"
+        rows.append((who, what, f"{t} per microbatch", f"peak {peak}"))
+        s = e + 1
+    return "\n".join(lines + [columns(rows)])
 
 
 def step_parts(plan: "Plan") -> tuple[float, float, float, float]:

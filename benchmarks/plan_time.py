@@ -77,6 +77,14 @@ def mixtral_8x7b():
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, use_cache=False))
 
 
+def llama3_405b():
+    return llama3(layers=126, hidden=16384, heads=128, intermediate=53248)
+
+
+# 16 nodes of 8 H100s: the first axis crosses nodes (400 Gb/s per GPU, 50 GB/s), the second NVLink
+NODES_16x8 = autoparallel.MeshSpec((16, 8), ("dp", "tp"), alpha=(2e-5, 5e-6), beta=(1 / 50e9, 1 / 360e9))
+
+
 def deepseek_v3():
     return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(use_cache=False))  # its defaults are DeepSeek-V3's dims
 
@@ -89,6 +97,9 @@ ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 polic
     "llama3-8b-3d": (llama3_8b, (64, 2048), (4, 4, 4), 30.0, True),
     "mixtral-8x7b": (mixtral_8x7b, (64, 4096), (8, 8), 60.0, True),
     "deepseek-v3": (deepseek_v3, (512, 4096), (64, 8), 120.0, True),
+    # pipeline="auto" (issue 28): one 8192-token sequence per device, the search may cut stages over either axis
+    "llama3-70b-pp": (llama3_70b, (128, 8192), NODES_16x8, 60.0, True),
+    "llama3-405b-pp": (llama3_405b, (128, 8192), NODES_16x8, 60.0, True),
 }
 
 
@@ -102,7 +113,11 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
         kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     t0, cpu0 = time.perf_counter(), _cpu_s()
-    plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, mesh_shape=mesh, solver=solver,
+    if isinstance(mesh, autoparallel.MeshSpec):
+        kw.update(mesh_spec=mesh, pipeline="auto")
+    else:
+        kw["mesh_shape"] = mesh
+    plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, solver=solver,
                              share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp,
                              baselines=baselines, **kw)
     return plan, time.perf_counter() - t0, _cpu_s() - cpu0, target, model, (b, s), mesh
@@ -162,11 +177,17 @@ def main():
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
-            print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, mesh))}{tag}")
+            shape = mesh.shape if isinstance(mesh, autoparallel.MeshSpec) else mesh
+            print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, shape))}{tag}")
+            pl = plan.pipeline
+            if pl is not None:
+                print(f"  pipeline: over {pl.mesh.axis_names[pl.axis]} ({pl.pp}), boundaries {list(pl.boundaries)}, "
+                      f"{pl.microbatches} microbatches, {pl.schedule}, bubble {pl.bubble:.0%}, step {pl.step_s:.2f} s, "
+                      f"stage peaks up to {max(pl.stage_peak_bytes) / 2**30:.1f} GiB")
             stage = st.stage_s
-            parts = {"trace": stage["trace"], "strategies": stage["strategies"], "memory model": stage["memory"],
-                     "costs": stage["costs"], "ILP": stage["stage1"], "remat": stage["remat"],
-                     "inspect": stage["inspect"], "baselines": stage.get("baselines", 0.0)}
+            parts = {"trace": stage.get("trace", 0.0), "strategies": stage.get("strategies", 0.0), "memory model": stage.get("memory", 0.0),
+                     "costs": stage.get("costs", 0.0), "ILP": stage.get("stage1", 0.0), "remat": stage.get("remat", 0.0),
+                     "inspect": stage.get("inspect", 0.0), "baselines": stage.get("baselines", 0.0)}
             parts["other"] = total - sum(parts.values())
             print(f"  {' | '.join(f'{k} {v:.2f} s' for k, v in parts.items())} | total {total:.2f} s"
                   f" (target < {target:.0f} s: {'OK' if total < target else 'MISSED'}; {cpu_s:.2f} CPU s; load "

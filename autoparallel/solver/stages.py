@@ -1,22 +1,82 @@
 """Pipeline stages: which mesh axis carries them, where the layers are cut, how many
 microbatches and which schedule (:class:`~autoparallel.pipeline_plan.PipelinePlan`), each
 stage planned on its submesh by :func:`~autoparallel.solver.pipeline.plan_traced`.
+
+The search (:func:`plan_stages`) is Alpa's inter-operator pass (Zheng et al., OSDI'22, §5)
+specialised to a model of identical layers, with the intra-operator plan shared by every
+stage:
+
+1. candidates: the pipeline axis (the one named ``"pp"``; under ``pipeline="auto"`` every
+   axis of two or more devices, and no pipeline at all), microbatch counts ``M`` (divisors of
+   the batch among ``pp, 2pp, 4pp, 8pp``, or the pinned one) and schedules (the pinned one,
+   else GPipe, 1F1B, and Interleaved1F1B with two stages per device where the layers allow);
+2. per (axis, ``M``): ONE intra-stage ILP solve of the model captured for one microbatch on
+   the submesh (the mesh less the axis). Every stage runs its layers with that plan's
+   strategies, so the solve prices every layer range; its nodes are aggregated into
+   *pieces* (:class:`Pieces`): ``pre`` (what runs before the first layer: embeddings),
+   each layer, and ``post`` (final norm, head, loss): per-microbatch seconds (forward,
+   backward, their communication and recomputation), per-step seconds (optimizer step and
+   exposed gradient reduction), bytes held for the step (parameters, gradients, optimizer
+   states), bytes saved per microbatch (activations) and transient bytes;
+3. per schedule: the boundaries by a dynamic program over cut points (the linear-partition
+   DP, Alpa's §5.2 recurrence with one device group per stage): ``f[s][j]`` the smallest
+   slowest-stage time of ``s`` stages over layers ``[0, j)``, each stage within the memory
+   budget with the activations of its microbatches in flight. ``pre`` belongs to stage 0 and
+   ``post`` to the last, so uneven splits pay when those pieces are heavy. ``O(S · L²)``
+   per schedule (``S`` stages, ``L`` layers), each transition O(1) from prefix sums;
+4. the step of each candidate by the schedule's model (:func:`step_model`), and the fastest
+   candidate that fits is kept; its plan's ``estimate`` holds the pipelined step, so that it
+   compares fairly with unpipelined plans.
+
+The step model (Narayanan et al., SC'21, §2.2): with ``p`` devices along the axis, ``v``
+stages per device, ``t`` the per-microbatch forward + backward of the slowest device's
+stages and ``c`` the point-to-point sends of the boundary activations (forward) and their
+gradients (backward) over the pipeline axis,
+``step = (M + (p − 1) / v) · (t + v · c) + u`` where ``u`` is the slowest device's
+once-per-step work (optimizer step and the exposed part of its gradient reduction); the
+bubble fraction is ``((p − 1) / v) / (M + (p − 1) / v)``. Activations in flight per device:
+GPipe and LoopedBFS all ``M``; 1F1B stage ``s`` ``min(p − s, M)``; Interleaved1F1B device
+``r`` ``min(M·v, (v − 1)·p + 2·(p − 1 − r) + 1)`` chunks (torch's warm-up), each ``1/v`` of
+its stages' activations.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..errors import AutoParallelError
+import numpy as np
+import torch
+
+from .. import units
+from ..errors import AutoParallelError, InfeasiblePlanError
+from ..graph import tensor_inputs
 from ..mesh import MeshSpec
 from ..options import PlanOptions
 from ..pipeline_plan import MULTI_STAGE, PipelinePlan, submesh
+from ..placement import local_shape
 from ..plan import Plan
+from ..strategies.engine import Strategy
+from ..tracer.annotate import node_info
+from .costs import CostModel
+from .memory import MemoryModel, preset_capacity, resolve_budget
 from .pipeline import plan_traced
+from .pricing import written_back_outputs
+
+log = logging.getLogger("autoparallel")
 
 PP_AXIS = "pp"
 """The mesh axis name that always carries pipeline stages."""
+
+MICROBATCH_FACTORS = (1, 2, 4, 8)
+"""Microbatch counts tried, as multiples of the devices along the pipeline axis."""
+
+STATE_KINDS = ("parameters", "gradients", "optimizer")
+SAVED_KINDS = ("activations", "gathered")
 
 
 def pipeline_axis(mesh: MeshSpec, options: PlanOptions) -> int | None:
@@ -25,10 +85,431 @@ def pipeline_axis(mesh: MeshSpec, options: PlanOptions) -> int | None:
     return mesh.axis_names.index(PP_AXIS) if PP_AXIS in mesh.axis_names else None
 
 
+@dataclass
+class Pieces:
+    """The intra-stage plan aggregated into pieces: index 0 ``pre``, ``1..L`` the layers,
+    ``L + 1`` ``post``. Seconds and bytes per device of the submesh.
+
+    Attributes:
+        micro_s: per microbatch: forward + backward compute, their communication and recomputation.
+        comm_s / recompute_s: the communication and recomputation parts of ``micro_s``.
+        step_s: once per step: the optimizer step and the exposed gradient reduction.
+        state: bytes held all step: parameters, gradients, optimizer states.
+        saved: bytes saved from forward to backward per microbatch in flight.
+        transient: the largest bytes of temporaries live at once within the piece (with a
+            checkpointed region's recomputed activations).
+        cross: per layer boundary ``b`` (``1..L-1``: between layers ``b-1`` and ``b``), bytes
+            per device sent forward, and ``cross_grad`` sent back (their gradients).
+    """
+
+    micro_s: np.ndarray
+    comm_s: np.ndarray
+    recompute_s: np.ndarray
+    step_s: np.ndarray
+    state: np.ndarray
+    saved: np.ndarray
+    transient: np.ndarray
+    cross: np.ndarray
+    cross_grad: np.ndarray
+
+    @property
+    def layers(self) -> int:
+        return len(self.micro_s) - 2
+
+    def stage(self, a: int, b: int) -> list[int]:
+        """The pieces of the stage running layers ``[a, b)``."""
+        return ([0] if a == 0 else []) + list(range(a + 1, b + 1)) + ([self.layers + 1] if b == self.layers else [])
+
+
+@dataclass
+class Candidate:
+    """One priced pipeline: its record, the intra-stage plan and the peak over stages."""
+
+    pipeline: PipelinePlan
+    inner: Plan
+    peak: int
+    comm_s: float = 0.0
+    recompute_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def _layer_of(path: str, layers: str) -> int | None:
+    prefix = layers + "."
+    if not path.startswith(prefix):
+        return None
+    head = path[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def piece_of_nodes(gm, layers: str, num_layers: int) -> dict:
+    """fx node → piece (0 ``pre``, ``1..L`` layer ``i-1``, ``L+1`` ``post``): a node in a
+    layer's module is that layer's; another op is ``pre`` before the first layer's first op,
+    ``post`` after the last layer's last op, and the current layer's in between; a parameter,
+    buffer or input belongs to the earliest piece that reads it (a tied embedding is stage 0's)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    ops = [n for n in nodes if n.op == "call_function"]
+    layer = {n: _layer_of(node_info(n).module_path, layers) if "autoparallel" in n.meta else None for n in ops}
+    inside = [i for i, n in enumerate(ops) if layer[n] is not None]
+    piece = {}
+    if not inside:
+        raise AutoParallelError(f"no op of the captured graph runs in the layers {layers}")
+    first, last = inside[0], inside[-1]
+    current = 1
+    for i, n in enumerate(ops):
+        if layer[n] is not None:
+            current = layer[n] + 1
+            piece[n] = current
+        elif i < first:
+            piece[n] = 0
+        elif i > last:
+            piece[n] = num_layers + 1
+        else:
+            piece[n] = current
+    for n in reversed(nodes):  # parameters read through casts: resolve users first
+        if n.op in ("get_attr", "placeholder") or n not in piece:
+            users = [piece[u] for u in n.users if u in piece]
+            own = _layer_of(node_info(n).module_path, layers) if "autoparallel" in n.meta else None
+            piece[n] = own + 1 if own is not None and n.op == "get_attr" else (min(users) if users else 0)
+    return piece
+
+
+def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOptions) -> Pieces:
+    """The pieces of the intra-stage plan ``inner`` of ``traced`` (:class:`Pieces`): its nodes'
+    seconds (``NodePlan.compute_s``, ``comm_s``; a parameter's are its optimizer update and
+    gradient reduction, once per step), the exposed fraction of the gradient reduction and the
+    DTensor overhead of the estimate spread over the pieces by their parameters, the checkpoint
+    regions' recomputation, and the memory model's items under the plan's strategies."""
+    gm = traced.gm
+    piece = piece_of_nodes(gm, layers, num_layers)
+    P = num_layers + 2
+    z = lambda: np.zeros(P)  # noqa: E731
+    micro, comm, recompute, step, grad, params = z(), z(), z(), z(), z(), z()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    node_compute = 0.0
+    for name, np_ in inner.nodes.items():
+        n = by_name.get(name)
+        if n is None or np_.op == "getitem":
+            continue
+        k = piece[n]
+        node_compute += np_.compute_s
+        if n.op == "get_attr":
+            step[k] += np_.compute_s
+            grad[k] += np_.comm_s
+            params[k] += 1 if np_.comm_s or np_.compute_s else 0
+        else:
+            micro[k] += np_.compute_s + np_.comm_s
+            comm[k] += np_.comm_s
+    for r in inner.redistributions:
+        if r.dst == "output":
+            micro[P - 1] += r.cost_s
+            comm[P - 1] += r.cost_s
+    est = inner.estimate
+    share = params / params.sum() if params.sum() else np.full(P, 1 / P)
+    step += max(0.0, est.compute_s - node_compute) * share  # DTensor overhead of the optimizer step
+    exposed = est.exposed_grad_comm_s / est.grad_comm_s if est.grad_comm_s else 0.0
+    step += exposed * grad
+    # latency terms of the gradient reduction, not in any node: spread as the parameters
+    step += max(0.0, est.exposed_grad_comm_s - exposed * grad.sum()) * share
+
+    inside: dict[str, int] = {}  # node name → top-level checkpoint region
+    region_saved, region_piece = [], []
+    ck = inner.checkpoint
+    if ck is not None:
+        for i, (reg, row) in enumerate(zip(ck.regions, ck.table)):
+            names = [nm for nm, st in ck.stages.items() if reg.start <= st < reg.stop]
+            for nm in names:
+                inside[nm] = i
+            ks = [piece[by_name[nm]] for nm in names if nm in by_name]
+            k = max(set(ks), key=ks.count) if ks else 0
+            recompute[k] += row.recompute_s
+            region_saved.append(row.saved_bytes)
+            region_piece.append(k)
+    micro += recompute
+
+    state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, inside,
+                                                         region_saved, region_piece)
+    return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad)
+
+
+def _choice(inner: Plan, gm) -> dict:
+    """fx node → a :class:`Strategy` with the plan's specs (what the memory model sizes)."""
+    out = {}
+    for n in gm.graph.nodes:
+        np_ = inner.nodes.get(n.name)
+        if np_ is not None and np_.op != "getitem":
+            out[n] = Strategy(tuple(np_.input_specs), tuple(np_.output_specs))
+    return out
+
+
+def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, region_saved, region_piece):
+    gm = traced.gm
+    aliases = {n: (n.args[0], n.args[1]) for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is __import__("operator").getitem}
+    shape = inner.mesh.shape
+    whole = written_back_outputs(gm, traced.buffer_mutations)
+    model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
+                        traced_on=traced.device, outputs=options.outputs, whole_outputs=whole)
+    choice = _choice(inner, gm)
+    state, saved, dropped = np.zeros(P), np.zeros(P), np.zeros(P)
+    live = np.zeros((P, model.steps + 1))
+    for it in model.items:
+        if it.owner not in choice or (it.param is not None and it.param not in choice):
+            continue
+        b = it.bytes(choice)
+        if not b:
+            continue
+        k = piece.get(it.owner, 0)
+        if it.kind in STATE_KINDS:
+            state[k] += b
+        elif it.kind in SAVED_KINDS and it.end > it.start:
+            if it.owner.name in inside:  # recomputed in the backward, not kept
+                dropped[k] += b
+            else:
+                saved[k] += b
+        else:
+            live[k, it.start] += b
+            live[k, it.end + 1] -= b
+    for k, b in zip(region_piece, region_saved):
+        saved[k] += b
+    transient = np.cumsum(live, axis=1).max(axis=1) + dropped / np.maximum(1, _regions_per_piece(region_piece, P))
+    # values produced in earlier pieces and read in later ones cross the boundaries between
+    cross, cross_grad = np.zeros(P), np.zeros(P)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n not in choice or not node_info(n).outputs:
+            continue
+        users = [piece[u] for u in n.users if u in piece]
+        for u in n.users:  # through getitem
+            if u in aliases:
+                users += [piece[w] for w in u.users if w in piece]
+        far = max(users, default=piece[n])
+        if far <= piece[n]:
+            continue
+        info = node_info(n)
+        nbytes = sum(math.prod(local_shape(sh, sp, shape)) * dt.itemsize
+                     for (sh, dt), sp in zip(info.outputs, choice[n].outputs))
+        lo, hi = max(piece[n], 1), min(far - 1, P - 3)  # boundaries b with piece ≤ b < far, b in 1..L-1
+        for b in range(lo, hi + 1):
+            cross[b] += nbytes
+            if info.requires_grad and info.dtype is not None and info.dtype.is_floating_point:
+                cross_grad[b] += nbytes
+    return state, saved, transient, cross, cross_grad
+
+
+def _regions_per_piece(region_piece, P):
+    c = np.zeros(P)
+    for k in region_piece:
+        c[k] += 1
+    return c
+
+
+def in_flight(schedule: str, pp: int, v: int, microbatches: int) -> list[float]:
+    """Per device along the pipeline axis, the microbatches whose activations it holds at its
+    peak, in units of its stages' activations of one microbatch (module docstring)."""
+    M = microbatches
+    if schedule in ("GPipe", "LoopedBFS"):
+        return [float(M)] * pp
+    if schedule == "1F1B":
+        return [float(min(pp - r, M)) for r in range(pp)]
+    return [min(M * v, (v - 1) * pp + 2 * (pp - 1 - r) + 1) / v for r in range(pp)]
+
+
+def step_model(schedule: str, pp: int, v: int, microbatches: int, rank_s: list[float], p2p_s: float,
+               update_s: list[float]) -> tuple[float, float]:
+    """``(step seconds, bubble fraction)`` of a schedule (module docstring): ``rank_s`` per
+    device the forward + backward of one microbatch over its stages, ``p2p_s`` one boundary's
+    sends (forward and backward), ``update_s`` per device its once-per-step work."""
+    fill = (pp - 1) / v
+    t = max(rank_s) + v * p2p_s
+    step = (microbatches + fill) * t + max(update_s)
+    return step, fill / (microbatches + fill)
+
+
+class _Priced:
+    """The pieces of one intra-stage plan with prefix sums, and the boundary search."""
+
+    def __init__(self, pieces: Pieces, alpha: float, beta: float):
+        self.p = pieces
+        self.L = pieces.layers
+        self.alpha, self.beta = alpha, beta
+
+    def sum(self, arr, a, b) -> float:
+        return float(sum(arr[k] for k in self.p.stage(a, b)))
+
+    def p2p(self, b: int) -> float:
+        if b <= 0 or b >= self.L:
+            return 0.0
+        c = self.p
+        return (self.alpha + c.cross[b] * self.beta) + ((self.alpha + c.cross_grad[b] * self.beta)
+                                                         if c.cross_grad[b] else 0.0)
+
+    def stage_peak(self, a: int, b: int, flight: float) -> float:
+        ks = self.p.stage(a, b)
+        return (sum(self.p.state[k] for k in ks) + flight * sum(self.p.saved[k] for k in ks)
+                + max(self.p.transient[k] for k in ks))
+
+    def boundaries(self, stages: int, fits: Callable[[int, int, int], bool]) -> tuple[int, ...] | None:
+        """The cut points of ``stages`` stages minimizing the slowest stage's per-microbatch
+        seconds (its sends included), every stage fitting (``fits(stage, a, b)``); ``None``
+        when no split fits. The DP of the module docstring, O(stages · L²)."""
+        L, S = self.L, stages
+        if S > L:
+            return None
+        cost = {}
+
+        def c(a, b):
+            key = (a, b)
+            if key not in cost:
+                cost[key] = self.sum(self.p.micro_s, a, b) + max(self.p2p(a), self.p2p(b))
+            return cost[key]
+
+        INF = math.inf
+        f = [[INF] * (L + 1) for _ in range(S + 1)]
+        arg = [[-1] * (L + 1) for _ in range(S + 1)]
+        f[0][0] = 0.0
+        for s in range(1, S + 1):
+            lo, hi = s, L - (S - s)
+            for j in range(lo, hi + 1):
+                best, bi = INF, -1
+                for i in range(s - 1, j):
+                    if f[s - 1][i] == INF:
+                        continue
+                    if not fits(s - 1, i, j):
+                        continue
+                    val = max(f[s - 1][i], c(i, j))
+                    if val < best - 1e-15 or (abs(val - best) <= 1e-15 and abs(j - 2 * i) < abs(j - 2 * bi)):
+                        best, bi = val, i
+                f[s][j], arg[s][j] = best, bi
+        if f[S][L] == INF:
+            return None
+        cuts, j = [L], L
+        for s in range(S, 0, -1):
+            j = arg[s][j]
+            cuts.append(j)
+        return tuple(reversed(cuts))
+
+
+def price_schedule(priced: _Priced, pp: int, schedule: str, microbatches: int, budget: int | None,
+                   boundaries: tuple[int, ...] | None = None):
+    """The pipeline of one schedule and microbatch count on one intra-stage plan: its
+    boundaries (searched, or given), per-stage seconds and peaks, step and bubble. ``None``
+    when no split fits ``budget`` (with the smallest peak reached, for the error)."""
+    v = 2 if schedule in MULTI_STAGE else 1
+    S = pp * v
+    flight = in_flight(schedule, pp, v, microbatches)
+
+    def fits(s, a, b):
+        return budget is None or priced.stage_peak(a, b, flight[s % pp]) <= budget
+
+    if boundaries is None:
+        boundaries = priced.boundaries(S, fits)
+        if boundaries is None:
+            even = even_boundaries(priced.L, S)
+            return None, (max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b)
+                              in enumerate(zip(even, even[1:]))) if even else math.inf)
+    spans = list(zip(boundaries, boundaries[1:]))
+    if not all(fits(s, a, b) for s, (a, b) in enumerate(spans)):  # given boundaries that do not fit
+        return None, max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b) in enumerate(spans))
+    stage_s = [priced.sum(priced.p.micro_s, a, b) for a, b in spans]
+    peaks = [int(priced.stage_peak(a, b, flight[s % pp])) for s, (a, b) in enumerate(spans)]
+    rank_s = [sum(stage_s[r::pp]) for r in range(pp)]
+    update = [sum(priced.sum(priced.p.step_s, a, b) for a, b in spans[r::pp]) for r in range(pp)]
+    p2p = max((priced.p2p(b) for b in boundaries[1:-1]), default=0.0)
+    step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update)
+    rank_peak = [max(peaks[r::pp]) + 0 for r in range(pp)]
+    if v > 1:  # a device holds all its stages' state, and its chunks in flight
+        rank_peak = [int(sum(priced.p.state[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b))
+                         + flight[r] * sum(priced.p.saved[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b))
+                         + max(priced.p.transient[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b)))
+                     for r in range(pp)]
+        peaks = [rank_peak[s % pp] for s in range(S)]
+        if budget is not None and max(rank_peak) > budget:
+            return None, max(rank_peak)
+    slow = max(range(S), key=lambda s: stage_s[s])
+    a, b = spans[slow]
+    comm = microbatches * (priced.sum(priced.p.comm_s, a, b) + v * p2p)
+    recompute = microbatches * priced.sum(priced.p.recompute_s, a, b) * v
+    return (boundaries, tuple(stage_s), tuple(peaks), p2p, bubble, step, comm, recompute), max(peaks)
+
+
+def even_boundaries(num_layers: int, stages: int) -> tuple[int, ...] | None:
+    if stages > num_layers:
+        return None
+    return tuple(round(s * num_layers / stages) for s in range(stages + 1))
+
+
+def _link(cost_model: CostModel, mesh: MeshSpec, axis: int) -> tuple[float, float]:
+    """``(alpha, beta)`` of one link of the pipeline axis: a point-to-point send of ``B``
+    bytes costs ``alpha + B · beta``."""
+    try:
+        return copy.copy(cost_model).bind(mesh)._link(axis)
+    except ValueError:  # a profile of another shape
+        return mesh.alpha[axis], mesh.beta[axis]
+
+
+def _microbatch_counts(pp: int, batch: int, options: PlanOptions) -> list[int]:
+    if options.microbatches is not None:
+        return [options.microbatches]
+    return [pp * f for f in MICROBATCH_FACTORS if batch % (pp * f) == 0]
+
+
+def _schedules(pp: int, num_layers: int, microbatches: int, options: PlanOptions) -> list[str]:
+    if options.schedule is not None:
+        return [options.schedule]
+    out = ["1F1B", "GPipe"]
+    if 2 * pp <= num_layers and microbatches % pp == 0:
+        out.append("Interleaved1F1B")
+    return out
+
+
+def finish(cand: Candidate, budget: int | None) -> Plan:
+    """The intra-stage plan with the pipeline attached and its estimate the pipelined step."""
+    plan, pl = cand.inner, cand.pipeline
+    est = plan.estimate
+    comm = cand.comm_s + est.exposed_grad_comm_s / pl.pp
+    plan.estimate = replace(est, step_time_s=pl.step_s, comm_s=comm, recompute_s=cand.recompute_s,
+                            compute_s=max(0.0, pl.step_s - comm - cand.recompute_s),
+                            optimizer_s=est.optimizer_s / pl.pp, grad_comm_s=est.grad_comm_s / pl.pp,
+                            exposed_grad_comm_s=est.exposed_grad_comm_s / pl.pp,
+                            peak_memory_bytes=cand.peak, memory_budget_bytes=budget)
+    plan.pipeline = pl
+    return plan
+
+
+def price_pipeline(inner: Plan, traced, mesh: MeshSpec, axis: int, options: PlanOptions, *, layers: str,
+                   num_layers: int, microbatches: int, budget: int | None, schedules: list[str],
+                   boundaries: tuple[int, ...] | None = None, pieces: Pieces | None = None
+                   ) -> tuple[Candidate | None, float]:
+    """The fastest pipeline over ``schedules`` of the intra-stage plan ``inner`` (of the
+    model ``traced`` for one of ``microbatches`` microbatches on the mesh less ``axis``), with
+    its boundaries searched (or ``boundaries``), and the smallest peak seen (bytes)."""
+    cost_model = options.cost_model or CostModel()
+    pieces = pieces if pieces is not None else aggregate(inner, traced, layers, num_layers, options)
+    priced = _Priced(pieces, *_link(cost_model, mesh, axis))
+    pp = mesh.shape[axis]
+    best, low = None, math.inf
+    for schedule in schedules:
+        v = 2 if schedule in MULTI_STAGE else 1
+        if pp * v > num_layers:
+            continue
+        found, peak = price_schedule(priced, pp, schedule, microbatches, budget, boundaries)
+        low = min(low, peak)
+        if found is None:
+            continue
+        bnd, stage_s, peaks, p2p, bubble, step, comm, recompute = found
+        pl = PipelinePlan(mesh, axis, layers, tuple(int(b) for b in bnd), microbatches, schedule,
+                          tuple(float(x) for x in stage_s), tuple(int(x) for x in peaks), float(p2p), float(bubble),
+                          float(step))
+        if best is None or step < best.pipeline.step_s:
+            best = Candidate(pl, inner, max(peaks), comm, recompute)
+    return best, low
+
+
 def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: PlanOptions, *, layers: str,
                 num_layers: int, batch: int) -> Plan:
     """The pipelined plan of a model whose repeated layers are the ``num_layers`` layers of the
-    ``ModuleList`` at ``layers``, over the mesh axis named ``"pp"``.
+    ``ModuleList`` at ``layers`` (module docstring): the fastest fitting candidate over the
+    pipeline axis, the microbatches, the schedule and the boundaries; under ``pipeline="auto"``
+    it may be the plan without pipeline stages (``plan.pipeline is None``).
 
     Args:
         capture_at: microbatches ``m`` → the model captured for one microbatch (the global
@@ -36,21 +517,133 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
         batch: the global batch's dim 0.
 
     Raises:
-        AutoParallelError: no axis named ``"pp"``, more stages than layers, or a batch the
-            microbatches do not divide.
+        AutoParallelError: no axis named ``"pp"`` without ``pipeline="auto"``, more stages than
+            layers, or a batch the microbatches do not divide.
+        InfeasiblePlanError: no candidate fits the memory budget (naming the smallest peak).
     """
-    axis = pipeline_axis(mesh, options)
-    if axis is None:
-        raise AutoParallelError("pipeline stages need a mesh axis named 'pp'")
+    t0 = time.perf_counter()
+    cost_model = options.cost_model or CostModel()
+    budget = resolve_budget(options.memory_budget, lambda: preset_capacity(cost_model.device))
+    pinned = pipeline_axis(mesh, options)
+    if pinned is not None:
+        axes = [pinned]
+    elif options.pipeline == "auto":
+        axes = [a for a, n in enumerate(mesh.shape) if n >= 2 and n <= num_layers]
+    else:
+        raise AutoParallelError("pipeline stages need a mesh axis named 'pp' or pipeline='auto'")
+    if pinned is not None and mesh.shape[pinned] > num_layers:
+        raise AutoParallelError(f"{mesh.shape[pinned]} pipeline stages need as many layers, but {layers} has "
+                                f"{num_layers}")
+    if options.microbatches is not None and batch % options.microbatches:
+        raise AutoParallelError(f"the batch of {batch} does not split into {options.microbatches} microbatches")
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None)
+    candidates: list[tuple[float, Plan]] = []
+    lowest = math.inf
+    if pinned is None:  # no pipeline: the whole mesh plans the whole batch
+        try:
+            flat = plan_traced(capture_at(1), mesh, inner_options)
+            candidates.append((flat.estimate.step_time_s, flat))
+        except InfeasiblePlanError as e:
+            log.info("without pipeline stages: %s", e)
+    for axis in axes:
+        pp = mesh.shape[axis]
+        sub = submesh(mesh, axis)
+        best_axis = None
+        for micro in _microbatch_counts(pp, batch, options):
+            if micro < pp:
+                raise AutoParallelError(f"{micro} microbatches are fewer than the {pp} pipeline devices")
+            traced = capture_at(micro)
+            cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers,
+                                   micro)
+            lowest = min(lowest, low)
+            if cand is None:
+                continue
+            log.info("pipeline over %s (%d), %d microbatches: %s, step %s", mesh.axis_names[axis], pp, micro,
+                     cand.pipeline.schedule, units.seconds(cand.pipeline.step_s))
+            if best_axis is not None and cand.pipeline.step_s >= best_axis.pipeline.step_s:
+                candidates.append((cand.pipeline.step_s, finish(cand, budget)))
+                break  # more microbatches stopped paying: the per-microbatch work no longer shrinks the bubble
+            best_axis = cand
+            candidates.append((cand.pipeline.step_s, finish(cand, budget)))
+    if not candidates:
+        raise InfeasiblePlanError(f"no pipeline fits the {units.nbytes(budget)} budget per device: the smallest "
+                                  f"stage peak reached is {units.nbytes(lowest)}")
+    step, plan = min(candidates, key=lambda c: c[0])
+    plan.solver_stats.stage_s["stages"] = time.perf_counter() - t0
+    return plan
+
+
+def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
+               schedules=None, boundaries=None):
+    """The best pipeline at ``micro`` microbatches over ``axis``: the intra-stage plan solved
+    first without a budget (the fastest strategies); when no split of it fits, solved again
+    under the budget that leaves a stage its share: ``budget + state · (pp − 1) / pp`` (the
+    whole model's parameters, gradients and optimizer states of the previous solve, of which
+    a stage holds ``1/pp``; 1F1B's first stage holds about one microbatch of every layer's
+    activations), once."""
     pp = mesh.shape[axis]
-    schedule = options.schedule or "1F1B"
-    stages = pp * (2 if schedule in MULTI_STAGE else 1)
-    if stages > num_layers:
-        raise AutoParallelError(f"{stages} pipeline stages need as many layers, but {layers} has {num_layers}")
-    micro = options.microbatches or pp
-    if batch % micro:
-        raise AutoParallelError(f"the batch of {batch} does not split into {micro} microbatches")
-    boundaries = tuple(round(s * num_layers / stages) for s in range(stages + 1))
-    inner = plan_traced(capture_at(micro), submesh(mesh, axis), replace(options, pipeline="off"))
-    inner.pipeline = PipelinePlan(mesh, axis, layers, boundaries, micro, schedule)
-    return inner
+    schedules = schedules or _schedules(pp, num_layers, micro, options)
+    inner_budget = "unlimited"
+    low = math.inf
+    for _ in range(2):
+        try:
+            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget))
+        except InfeasiblePlanError as e:
+            log.info("intra-stage plan at %d microbatches: %s", micro, e)
+            return None, low
+        pieces = aggregate(inner, traced, layers, num_layers, options)
+        cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
+                                    microbatches=micro, budget=budget, schedules=schedules, boundaries=boundaries,
+                                    pieces=pieces)
+        low = min(low, peak)
+        if cand is not None or budget is None:
+            return cand, low
+        state = float(pieces.state.sum())
+        nxt = int(budget + state * (pp - 1) / pp)
+        if inner_budget != "unlimited" and nxt >= inner_budget:
+            nxt = int(inner_budget * 0.8)
+        inner_budget = nxt
+    return None, low
+
+
+RECIPE = "PP × FSDP × TP"
+
+
+def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: PlanOptions, *, layers: str,
+               num_layers: int, batch: int, plan: Plan | None = None):
+    """The hand-written 3-D recipe (torchtitan's layout) as a :class:`~autoparallel.recipes.Row`:
+    the pipeline axis of ``plan`` (else the one named ``"pp"``, else the first axis), an even
+    split of the layers, 1F1B, ``plan``'s microbatches (else ``pp``), and within a stage the
+    FSDP + TP recipe of :func:`autoparallel.recipes.recipes` on the submesh (Megatron TP where
+    the submesh has one axis), priced by the same step and memory model as the search."""
+    from ..recipes import Row, recipes
+
+    pl = plan.pipeline if plan is not None else None
+    axis = pl.axis if pl is not None else pipeline_axis(mesh, options)
+    axis = 0 if axis is None else axis
+    pp = mesh.shape[axis]
+    micro = pl.microbatches if pl is not None else (options.microbatches or pp)
+    name = f"{RECIPE} (1F1B, even split over {mesh.axis_names[axis]}, {micro} microbatches)"
+    if pp < 2 or pp > num_layers or batch % micro or micro < pp:
+        return Row(name, None, f"{pp} stages over {num_layers} layers with {micro} microbatches of a batch of "
+                               f"{batch} cannot be written")
+    cost_model = options.cost_model or CostModel()
+    budget = resolve_budget(options.memory_budget, lambda: preset_capacity(cost_model.device))
+    sub = submesh(mesh, axis)
+    traced = capture_at(micro)
+    listed = {r.name: r for r in recipes(traced, sub)}
+    inner_recipe = listed.get("FSDP + TP")
+    if inner_recipe is None or inner_recipe.constraints is None:
+        inner_recipe = next((r for r in listed.values() if r.name.startswith("Megatron TP")), inner_recipe)
+    if inner_recipe is None or inner_recipe.constraints is None:
+        return Row(name, None, inner_recipe.reason if inner_recipe else "no FSDP + TP recipe for the stage")
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+                            constraints=inner_recipe.constraints)
+    try:
+        cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro,
+                               schedules=["1F1B"], boundaries=even_boundaries(num_layers, pp))
+    except AutoParallelError as e:
+        return Row(name, None, f"{type(e).__name__}: {e}")
+    if cand is None:
+        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget (smallest peak {units.nbytes(low)})")
+    return Row(name, finish(cand, budget), notes=[f"{inner_recipe.name} within a stage"])

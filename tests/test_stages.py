@@ -1,0 +1,124 @@
+"""Pipeline stages chosen at plan time (issue 28): the axis, microbatches, schedule and
+boundaries of :func:`autoparallel.solver.stages.plan_stages`, priced by its step and memory
+model. Planning tier: meta-device models, no process group."""
+
+import pytest
+import torch
+import transformers as T
+
+import autoparallel
+from autoparallel import MeshSpec
+from autoparallel.errors import InfeasiblePlanError
+from autoparallel.plan import Plan
+from autoparallel.solver import stages
+
+T.logging.set_verbosity_error()
+
+
+def llama(layers=6, hidden=64, vocab=512):
+    with torch.device("meta"):
+        return T.LlamaForCausalLM(T.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                                                num_hidden_layers=layers, num_attention_heads=4,
+                                                num_key_value_heads=2, vocab_size=vocab, use_cache=False))
+
+
+def gpt2(layers=6):
+    with torch.device("meta"):
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=512, n_positions=256,
+                                              use_cache=False))
+
+
+def batch(b=8, s=64):
+    ids = torch.empty(b, s, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
+
+
+def plan(model, inputs, mesh, **kw):
+    return autoparallel.plan(model, inputs, mesh_spec=mesh, cache_dir=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpt2_pp():
+    return plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), microbatches=4, schedule="1F1B")
+
+
+def test_pp_axis_carries_the_stages(gpt2_pp):
+    pl = gpt2_pp.pipeline
+    assert pl.axis == 0 and pl.pp == 2 and pl.stages == 2 and pl.layers == "transformer.h"
+    assert pl.boundaries[0] == 0 and pl.boundaries[-1] == 6
+    assert len(pl.stage_s) == len(pl.stage_peak_bytes) == 2 and min(pl.stage_s) > 0
+    assert gpt2_pp.mesh.shape == (2,)  # one stage's submesh
+    assert gpt2_pp.estimate.step_time_s == pytest.approx(pl.step_s)
+    assert gpt2_pp.estimate.peak_memory_bytes == max(pl.stage_peak_bytes)
+    assert 0 < pl.bubble < 1 and pl.p2p_s > 0
+
+
+def test_pinned_microbatches_and_schedule(gpt2_pp):
+    assert gpt2_pp.pipeline.microbatches == 4 and gpt2_pp.pipeline.schedule == "1F1B"
+    assert gpt2_pp.pipeline.bubble == pytest.approx(1 / 5)  # (p - 1) / (M + p - 1)
+    inter = plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), microbatches=2, schedule="Interleaved1F1B")
+    assert inter.pipeline.schedule == "Interleaved1F1B" and inter.pipeline.stages == 4
+    assert inter.pipeline.microbatches == 2
+
+
+def test_one_f_one_b_holds_more_in_flight_on_the_first_stage(gpt2_pp):
+    # 1F1B: stage s of p holds min(p - s, M) microbatches' activations
+    assert stages.in_flight("1F1B", 4, 1, 8) == [4, 3, 2, 1]
+    assert stages.in_flight("GPipe", 4, 1, 8) == [8] * 4
+    assert gpt2_pp.pipeline.stage_peak_bytes[0] > gpt2_pp.pipeline.stage_peak_bytes[-1]
+
+
+def test_pieces_add_up_to_the_intra_stage_step():
+    from autoparallel import PlanOptions
+    from autoparallel.solver.pipeline import plan_traced
+    from autoparallel.tracer import capture
+    model = llama()
+    traced = capture(model, batch())
+    opts = PlanOptions(cache_dir=False)
+    inner = plan_traced(traced, MeshSpec((2,)), opts)
+    pieces = stages.aggregate(inner, traced, "model.layers", 6, opts)
+    assert pieces.micro_s.sum() + pieces.step_s.sum() == pytest.approx(inner.estimate.step_time_s)
+    assert pieces.micro_s[2:6] == pytest.approx([pieces.micro_s[2]] * 4, rel=1e-3)  # identical layers alike
+    assert pieces.cross[1] > 0 and pieces.cross_grad[1] > 0
+
+
+def test_heavy_head_cuts_unevenly():
+    # a vocabulary of 128k on hidden 256: head and loss weigh more than a layer, so the last stage takes fewer
+    p = plan(llama(layers=8, hidden=256, vocab=131072), batch(8, 128), MeshSpec((2,), ("pp",)), microbatches=2, schedule="1F1B")
+    b = p.pipeline.boundaries
+    assert b[2] - b[1] < b[1] - b[0], b
+
+
+def test_auto_pipelines_over_a_slow_axis_and_not_over_fast_links():
+    model, inputs = llama(hidden=256), batch(16, 256)
+    slow = plan(model, inputs, MeshSpec((2, 2), ("x", "y"), beta=(1e-8, 1e-11)), pipeline="auto", microbatches=2)
+    assert slow.pipeline is not None and slow.pipeline.axis == 0
+    fast = plan(model, inputs, MeshSpec((2, 2), ("x", "y")), pipeline="auto", microbatches=2, schedule="GPipe")
+    assert fast.pipeline is None
+    assert slow.estimate.step_time_s > fast.estimate.step_time_s
+
+
+def test_json_round_trip(gpt2_pp):
+    again = Plan.from_json(gpt2_pp.to_json())
+    assert again.pipeline == gpt2_pp.pipeline
+    assert again.estimate.step_time_s == gpt2_pp.estimate.step_time_s
+
+
+def test_summary_lines(gpt2_pp):
+    text = str(gpt2_pp)
+    assert "pipeline over mesh axis pp (2 devices): 2 stages of transformer.h, 4 microbatches, 1F1B" in text
+    assert "stage 0" in text and "embeddings, layers 0-" in text and "head and loss" in text
+
+
+def test_no_split_fits_names_the_smallest_peak():
+    with pytest.raises(InfeasiblePlanError, match="smallest stage peak"):
+        plan(gpt2(), batch(), MeshSpec((2,), ("pp",)), microbatches=2, memory_budget="1MiB")
+
+
+def test_compare_prices_the_3d_recipe_by_the_same_model():
+    c = autoparallel.compare(gpt2(), batch(16), mesh_spec=MeshSpec((2, 2, 2), ("pp", "dp", "tp")), cache_dir=False)
+    names = [r.name for r in c.rows]
+    assert names[0] == "autoparallel plan" and names[1].startswith(stages.RECIPE)
+    recipe = c.rows[1].plan
+    assert recipe.pipeline.schedule == "1F1B" and recipe.pipeline.boundaries == (0, 3, 6)
+    assert c.plan.estimate.step_time_s <= recipe.estimate.step_time_s
