@@ -135,7 +135,7 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineRuntime:
-    """The pipeline of one device: its :class:`StageModule`\\ s in ``PipelineStage``\\ s, the
+    """The pipeline of one device: its :class:`StageModule` objects wrapped in ``PipelineStage`` objects, the
     schedule, and the tied parameters to keep equal.
 
     Args:
@@ -208,7 +208,7 @@ def stage_io(graphs: list, coord: torch.Tensor, input_meta: list, loss_dtype: to
     receive buffers without running a stage on uninitialized inputs to find out (its dynamic
     inference would feed integer activations, e.g. labels, with garbage indices). Found by
     running stages 0 to the last but one on tensors of ``fake``, in order (other stages'
-    parameters are :func:`stand_in`\ s of it); the last returns the loss."""
+    parameters are :func:`stand_in` tensors of it); the last returns the loss."""
     def example(t) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype).requires_grad_(t.dtype.is_floating_point)
 
