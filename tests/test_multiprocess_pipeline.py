@@ -2,7 +2,8 @@
 trains one step with ``model.step()`` and SGD: the loss, every gradient and every parameter after
 the step equal the single-device model's (each rank checks the parameters its stages hold), for
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
-on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage."""
+on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
+recomputed within it; ``clip_grad_norm_`` clips by the whole model's norm."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _close(what, got, want):
                                msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
 
 
-def _case(mesh, name, schedule, microbatches, shard):
+def _case(mesh, name, schedule, microbatches, shard, **options):
     import autoparallel
     import models
 
@@ -40,9 +41,11 @@ def _case(mesh, name, schedule, microbatches, shard):
     batch = models.batch_for(name, 1)
     cost = models.ShardParams("cpu") if shard else autoparallel.CostModel()
     model = autoparallel.autoparallelize(model, models.to_meta(batch), device_mesh=mesh, cost_model=cost,
-                                         cache_dir=False, schedule=schedule, microbatches=microbatches)
+                                         cache_dir=False, schedule=schedule, microbatches=microbatches, **options)
     pipeline = model.plan.pipeline
     assert (pipeline.schedule, pipeline.microbatches) == (schedule, microbatches)
+    if options.get("checkpointing") == "full":
+        assert model.plan.checkpoint and "checkpoint" in model.graph_module.code
     with pytest.raises(autoparallel.AutoParallelError, match=r"model\.step"):
         model(**batch)
     pp_rank = mesh.get_local_rank(pipeline.axis)
@@ -60,6 +63,10 @@ def _case(mesh, name, schedule, microbatches, shard):
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for n, p in model.named_parameters():
         _close(f"{what} gradient of {n}", p.grad, ref_params[n].grad)
+    norm = model.clip_grad_norm_(0.5)  # the whole model's norm, every stage's parameters, the tied one once
+    _close(f"{what} gradient norm", norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    for n, p in model.named_parameters():
+        _close(f"{what} clipped gradient of {n}", p.grad, ref_params[n].grad)
     opt.step()
     ref_opt.step()
     for n, p in model.named_parameters():
@@ -73,7 +80,7 @@ def case_name(name, schedule):
 def _pp_dp(rank):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     _case(mesh, "gpt2", "1F1B", 2, shard=False)
-    _case(mesh, "gpt2", "GPipe", 4, shard=True)
+    _case(mesh, "gpt2", "GPipe", 4, shard=True, checkpointing="full")
     _case(mesh, "llama", "Interleaved1F1B", 2, shard=False)
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)
 

@@ -380,6 +380,24 @@ class ParallelModule(NotPicklable, nn.Module):
         loss.backward()
         return loss.detach()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this model's parameters, the norm taken over
+        the whole model: under a pipelined plan every device holds its own stages' parameters,
+        so their norms are combined over the pipeline axis (each parameter tied across stages
+        counted once); otherwise it is torch's own. Returns the total norm, whole, the same on
+        every device.
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and a norm that is not finite (torch's)."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self._ap.pipeline is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = self._ap.pipeline.total_norm(params, float(norm_type), error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach)
+        return norm
+
     def forward(self, *args, **kwargs):
         if self._ap.pipeline is not None:
             raise AutoParallelError(f"{type(self).__name__} runs pipeline stages: each device holds only its own "

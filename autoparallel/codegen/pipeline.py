@@ -25,6 +25,8 @@ microbatches, the loss being each microbatch's mean.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -192,6 +194,22 @@ class PipelineRuntime:
         self.tied.sum_grads()
         return self._loss(losses)
 
+    def total_norm(self, params: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool,
+                   foreach) -> torch.Tensor:
+        """The ``norm_type``-norm of the gradients of every stage's parameters (each tied
+        parameter once), the same on every device: this device's norm combined over the
+        pipeline axis (the sum of p-th powers, or the maximum for the infinity norm), as
+        torchtitan's ``clip_grad_norm_`` combines it over its pipeline mesh."""
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in self.tied.copies]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+            return norm
+        norm = norm ** norm_type
+        dist.all_reduce(norm, group=self.group)
+        return norm ** (1.0 / norm_type)
+
     def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The microbatches' mean loss, from the last stage's device to every device of the line."""
         last = (self.pipeline.stages - 1) % self.pipeline.pp
@@ -245,6 +263,7 @@ class _TiedParameters:
     def __init__(self, model: nn.Module, device_mesh: DeviceMesh, pipeline: PipelinePlan, pp_rank: int,
                  tied: dict[str, str], traced):
         self.model, self.pairs = model, []
+        self.copies: set[int] = set()  # ids of the parameters that are another stage's tied copy
         stage_of = traced_stages(traced.gm, pipeline)
         reader = {n.target: stage_of[n.name] for n in traced.gm.graph.nodes if n.op == "get_attr"}
         lines = device_mesh.mesh.movedim(pipeline.axis, 0).reshape(pipeline.pp, -1)
@@ -256,6 +275,8 @@ class _TiedParameters:
             if pp_rank in (a, b):
                 held = original if pp_rank == a else name
                 self.pairs.append((held, group))
+                if held == name:
+                    self.copies.add(id(get_attr(model, name)))
                 with torch.no_grad():
                     p = get_attr(model, held)
                     full = _full(p)
