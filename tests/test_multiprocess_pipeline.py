@@ -3,7 +3,8 @@ trains one step with ``model.step()`` and SGD: the loss, every gradient and ever
 the step equal the single-device model's (each rank checks the parameters its stages hold), for
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
-recomputed within it; ``clip_grad_norm_`` clips by the whole model's norm."""
+recomputed within it; ``clip_grad_norm_`` clips by the whole model's norm; and
+``torch.distributed.checkpoint`` saves and loads every stage's parameters."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _close(what, got, want):
                                msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
 
 
-def _case(mesh, name, schedule, microbatches, shard, **options):
+def _case(mesh, name, schedule, microbatches, shard, save_to=None, **options):
     import autoparallel
     import models
 
@@ -71,16 +72,32 @@ def _case(mesh, name, schedule, microbatches, shard, **options):
     ref_opt.step()
     for n, p in model.named_parameters():
         _close(f"{what} {n} after one SGD step", p.detach(), ref_params[n].detach())
+    if save_to is not None:
+        _save_and_load(model, save_to, ref_params, what)
+
+
+def _save_and_load(model, folder, ref_params, what):
+    """torch.distributed.checkpoint writes every stage's parameters and loads them back in place."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    for n, p in model.named_parameters():
+        _close(f"{what} {n} loaded by torch.distributed.checkpoint", p.detach(), ref_params[n].detach())
 
 
 def case_name(name, schedule):
     return f"{name} {schedule}"
 
 
-def _pp_dp(rank):
+def _pp_dp(rank, folder):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    _case(mesh, "gpt2", "1F1B", 2, shard=False)
-    _case(mesh, "gpt2", "GPipe", 4, shard=True, checkpointing="full")
+    _case(mesh, "gpt2", "1F1B", 2, shard=False, save_to=f"{folder}/replicated")
+    _case(mesh, "gpt2", "GPipe", 4, shard=True, save_to=f"{folder}/sharded", checkpointing="full")
     _case(mesh, "llama", "Interleaved1F1B", 2, shard=False)
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)
 
@@ -91,8 +108,8 @@ def _pp4(rank):
     _case(mesh, "llama", "GPipe", 4, shard=False)
 
 
-def test_pipeline_parity_pp2_dp2():
-    spawn(_pp_dp, 4, timeout_s=300)
+def test_pipeline_parity_pp2_dp2(tmp_path):
+    spawn(_pp_dp, 4, str(tmp_path), timeout_s=300)
 
 
 def test_pipeline_parity_pp4():
