@@ -42,7 +42,8 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .mesh import MeshSpec, mesh_shape_tuple
-from .options import CHECKPOINTING, PARALLELISM, PlanOptions
+from .options import CHECKPOINTING, PARALLELISM, PIPELINE, PlanOptions
+from .pipeline_plan import SCHEDULES
 from .plan import INPUTS, OUTPUTS
 from .solver.ilp import SOLVERS
 from .solver.memory import OPTIMIZER_STATES
@@ -152,6 +153,9 @@ class Config:
     memory_budget: Annotated[Union[int, float, str, None], _arg("memory_budget")] = _option("memory_budget")
     checkpointing: Annotated[Literal[CHECKPOINTING], _arg("checkpointing")] = _option("checkpointing")
     offload: Annotated[bool, _arg("offload")] = _option("offload")
+    pipeline: Annotated[Literal[PIPELINE], _arg("pipeline")] = _option("pipeline")
+    microbatches: Annotated[Union[int, None], _arg("microbatches")] = _option("microbatches")
+    schedule: Annotated[Union[Literal[SCHEDULES], None], _arg("schedule")] = _option("schedule")
     outputs: Annotated[Literal[OUTPUTS], _arg("outputs")] = _option("outputs")
     inputs: Annotated[Literal[INPUTS], _arg("inputs")] = _option("inputs")
     cost_model: str = "auto"
