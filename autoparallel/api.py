@@ -125,10 +125,11 @@ def _layer_list(model):
 def _stage_capture(model, meta_inputs, opts: PlanOptions, layers: str, microbatches: int):
     """One microbatch of ``meta_inputs`` (global shapes) captured, its tied parameters untied
     between the pieces that read them (:func:`~autoparallel.tracer.untie.untie_pieces`);
-    returns the capture and the untied names (new → original)."""
+    returns the capture and the untied names (new → original). One microbatch is the whole
+    batch, the unpipelined plan's capture: its ties are kept, as every unpipelined capture's."""
     traced = capture(model, microbatch(meta_inputs, microbatches), stamp_layers=opts.stamp_layers,
                      mp_policy=opts.mp_policy, device=opts.device)
-    return traced, untie_pieces(traced, layers)
+    return traced, untie_pieces(traced, layers) if microbatches > 1 else {}
 
 
 def compare(model: nn.Module, meta_inputs, *, mesh_shape=None, mesh_spec: MeshSpec | None = None,
@@ -280,7 +281,10 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
 
     Returns:
         ``model``, now a :class:`ParallelModule`: call it as before, with the global batch
-        on every rank (``inputs="local"``: each rank with its own batch).
+        on every rank (``inputs="local"``: each rank with its own batch). Under a plan with
+        pipeline stages (a mesh axis named ``"pp"``, or ``pipeline="auto"`` choosing them) it
+        trains through ``model.step(**batch)`` instead (:mod:`autoparallel.codegen.pipeline`),
+        which every plan offers.
 
     Raises:
         MeshMismatchError: the mesh does not span the whole process group; under
@@ -306,8 +310,14 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
                              inputs=plan.inputs if plan is not None else opts.inputs)
     if opts.inputs == "local":
         check_rank_order(device_mesh)  # before planning: the batches must concatenate in rank order
-    if _pipelined(mesh, opts) or plan is not None and plan.pipeline is not None:
-        return _parallelize_stages(model, meta_inputs, device_mesh, mesh, opts, plan, cap)
+    if pipeline_axis(mesh, opts) is not None:
+        _refuse_local_inputs(opts)  # before planning
+    if plan is None and _pipelined(mesh, opts):  # the search may keep no stages: then it runs as any plan
+        global_inputs = _global_inputs(meta_inputs, opts, mesh.shape)
+        with maybe_disable_local_tensor_mode():
+            plan = on_rank0(lambda: _plan_stages(model, global_inputs, mesh, opts))
+    if plan is not None and plan.pipeline is not None:
+        return _parallelize_stages(model, _global_inputs(meta_inputs, opts, mesh.shape), device_mesh, opts, plan, cap)
     with maybe_disable_local_tensor_mode():  # capture and planning see no simulated ranks
         traced = capture(model, _global_inputs(meta_inputs, opts, mesh.shape), stamp_layers=opts.stamp_layers,
                          mp_policy=opts.mp_policy, device=opts.device)
@@ -321,31 +331,28 @@ def autoparallelize(model: nn.Module, meta_inputs, *, device_mesh, options: Plan
     return pmodel
 
 
-def _parallelize_stages(model, meta_inputs, device_mesh, mesh: MeshSpec, opts: PlanOptions, plan: Plan | None,
-                        cap: int) -> ParallelModule:
-    """:func:`autoparallelize` for a plan that may be pipelined: planned on rank 0
-    (:func:`_plan_stages`), captured for its microbatch, emitted by
-    :func:`~autoparallel.codegen.emit.emit_pipeline` when it has stages (else as any plan).
+def _parallelize_stages(model, meta_inputs, device_mesh, opts: PlanOptions, plan: Plan, cap: int) -> ParallelModule:
+    """:func:`autoparallelize` for a pipelined ``plan``: captured for its microbatch, emitted by
+    :func:`~autoparallel.codegen.emit.emit_pipeline`.
 
     Raises:
         AutoParallelError: under ``inputs="local"`` (a pipeline's first stage reads the whole
-            batch), or as :func:`_plan_stages` and :func:`autoparallelize`.
+            batch), or as :func:`autoparallelize`.
     """
-    if opts.inputs == "local":
-        raise AutoParallelError("a pipelined plan reads the global batch on every rank: use inputs='global'")
-    meta_inputs = _global_inputs(meta_inputs, opts, mesh.shape)
-    layers = _layer_list(model)
+    _refuse_local_inputs(opts)
     with maybe_disable_local_tensor_mode():
-        if plan is None:
-            plan = on_rank0(lambda: _plan_stages(model, meta_inputs, mesh, opts))
-        if plan.pipeline is None:  # the search kept no stages
-            traced = capture(model, meta_inputs, stamp_layers=opts.stamp_layers, mp_policy=opts.mp_policy,
-                             device=opts.device)
-            validate_plan(plan, traced, mesh_shape=tuple(device_mesh.mesh.shape))
-            return emit(model, traced, plan, device_mesh, check_batch_every=0, bucket_cap_bytes=cap)
-        traced, untied = _stage_capture(model, meta_inputs, opts, layers.path, plan.pipeline.microbatches)
+        traced, untied = _stage_capture(model, meta_inputs, opts, _layer_list(model).path, plan.pipeline.microbatches)
         validate_plan(plan, traced, mesh_shape=plan.mesh.shape)
     return emit_pipeline(model, traced, plan, device_mesh, untied, cap)
+
+
+def _refuse_local_inputs(opts: PlanOptions) -> None:
+    """Raises:
+        AutoParallelError: ``inputs="local"``, which pipeline stages do not take (the first
+            stage reads the whole batch)."""
+    if opts.inputs == "local":
+        raise AutoParallelError("a pipelined plan reads the global batch on every rank: use inputs='global', or "
+                                "pipeline='off' and no mesh axis named 'pp'")
 
 
 def _check_run(model: nn.Module, device_mesh, plan) -> Plan | None:
