@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoparallel"
 LAYERS = [
     ("base", {"_torchvision_compat", "errors", "fqn", "graph", "placement", "mesh", "precision", "progress",
               "pickling", "runtime_kernels", "constraints", "jsonfields", "units"}),
-    ("the plan and its views", {"results", "plan", "summary", "explain", "plot", "table"}),
+    ("the plan and its views", {"results", "pipeline_plan", "plan", "summary", "explain", "plot", "table"}),
     ("capture", {"tracer"}),
     ("strategies", {"strategies"}),
     ("rewrites", {"rewrites"}),
