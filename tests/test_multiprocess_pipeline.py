@@ -114,3 +114,24 @@ def test_pipeline_parity_pp2_dp2(tmp_path):
 
 def test_pipeline_parity_pp4():
     spawn(_pp4, 4, timeout_s=300)
+
+
+def _auto(rank):
+    import autoparallel
+    import models
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dim0",))
+    batch = models.batch_for("gpt2", 1)
+    for beta, staged in ((1e-7, True), (1e-12, False)):  # a slow link: stages pay; a fast one: they do not
+        torch.manual_seed(0)
+        ref = models.hf_model("gpt2", layers=LAYERS).train()
+        spec = autoparallel.MeshSpec((2,), ("dim0",), alpha=1e-3, beta=beta)
+        model = autoparallel.autoparallelize(copy.deepcopy(ref), models.to_meta(batch), device_mesh=mesh,
+                                             mesh_spec=spec, cost_model=autoparallel.CostModel(), cache_dir=False,
+                                             pipeline="auto")
+        assert (model.plan.pipeline is not None) == staged
+        _close(f"pipeline='auto', beta {beta}: loss", model.step(**batch), ref(**batch).loss.detach())
+
+
+def test_pipeline_auto_stages_a_slow_axis_only():
+    spawn(_auto, 2, timeout_s=300)
