@@ -478,8 +478,14 @@ def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank
     for shape, names in PIPE_MESHES[world]:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         label = str(shape).replace(" ", "") + " " + ",".join(names)
-        v = autoparallel_variant(args, "autoparallel", model, batch, mesh, label, schedule=args.schedule,
-                                 microbatches=args.microbatches)
+        options = dict(schedule=args.schedule, microbatches=args.microbatches)
+        if args.cost_model == "default":
+            # autoparallelize's own default (a cost model of profile_mesh's tables for this mesh) fails on a
+            # 'pp' mesh: the stage plan binds it to the submesh, of another shape than the profile's
+            # (ValueError from CostModel.bind); the same measurements, as device rates and per-axis links
+            prof = autoparallel.profile_mesh(mesh, cache_dir=False if args.no_cache else None)
+            options.update(cost_model=autoparallel.CostModel(prof.device), mesh_spec=prof.mesh_spec(names))
+        v = autoparallel_variant(args, "autoparallel", model, batch, mesh, label, **options)
         if v.module is not None:
             pmodel = v.module
             v.fwd_bwd = lambda pmodel=pmodel, b=batch: pmodel.step(**b)
@@ -659,7 +665,7 @@ def job_record(args, model_name, s, dev, world) -> dict:
         else f"cpu ({torch.get_num_threads()} threads per process)",
         "backend": dist.get_backend(), "sizes": s, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
         "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "MemTracker",
-        "cost_model": args.cost_model}
+        "cost_model": args.cost_model, "pipeline": bool(getattr(args, "pipeline", False))}
 
 
 def variant_record(v: Variant) -> dict:
@@ -785,6 +791,13 @@ def table(results: list[dict]) -> str:
         "(must equal the eager model's)",
         "vs DDP / vs best recipe: s/step over DDP's / over the fastest of DDP, FSDP2, TP and FSDP2+TP (pipeline "
         f"rows: {PIPE_RECIPE}, torch.distributed.pipelining by hand) in the same configuration"])
+    if any(r.get("pipeline") for r in results):
+        head += ("\npipeline rows: autoparallelize(..., device_mesh=pp mesh, schedule=, microbatches=) next to "
+                 f"{PIPE_RECIPE} (torch.distributed.pipelining by hand: the layers split evenly by module surgery, a "
+                 "PipelineStage per rank, DDP over dp); a step is the schedule's forward and backward of every "
+                 "microbatch, then AdamW; the cost model 'default' is profile_mesh's device rates and links "
+                 "(CostModel(profile.device), mesh_spec=profile.mesh_spec()); peak memory is not measured (MemTracker "
+                 "hangs the schedule's point-to-point waits)")
     parts = [head, out]
     if checks:
         parts.append("targets:\n" + "\n".join("  " + c for c in checks))
