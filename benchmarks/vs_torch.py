@@ -168,6 +168,7 @@ class Variant:
         self.hold_outputs = False     # keep the module's outputs through the step, as a loop reading logits does
         self.fwd_bwd = None           # pipelined: () -> loss, the schedule's forward and backward of the batch
         self.loss_value = None        # pipelined: loss -> float, the batch's loss (called on the first step only)
+        self.pp_rank = None           # pipelined: this rank's coordinate along the pipeline axis
 
     def make_optimizer(self):
         make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
@@ -454,7 +455,7 @@ def pipeline_recipe(model, s, batch, mesh, dev, microbatches: int, schedule: str
         return float(loss.item())
 
     v = Variant(PIPE_RECIPE + (" + DDP" if dp > 1 else ""), label, [label], module, local, mean_loss=True)
-    v.fwd_bwd, v.loss_value = fwd_bwd, loss_value
+    v.fwd_bwd, v.loss_value, v.pp_rank = fwd_bwd, loss_value, pp_rank
     v.est_parts["pipeline"] = {"boundaries": bounds, "microbatches": microbatches, "schedule": schedule}
     return v
 
@@ -489,6 +490,7 @@ def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank
         if v.module is not None:
             pmodel = v.module
             v.fwd_bwd = lambda pmodel=pmodel, b=batch: pmodel.step(**b)
+            v.pp_rank = mesh.get_local_rank("pp")
             pl = pmodel.plan.pipeline
             if pl is None:
                 v.na = "failed: the plan has no pipeline stages"
@@ -500,6 +502,70 @@ def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank
             yield Variant(PIPE_RECIPE, label, [label], na="the hand-written stage split is written for GPT-2 only")
             continue
         yield pipeline_recipe(model, s, batch, mesh, dev, args.microbatches, args.schedule, label)
+
+
+class StageClock:
+    """Seconds this rank spends, while :attr:`on`, in the pieces of ``torch.distributed.pipelining``
+    that both pipeline rows run: ``forward_one_chunk`` (a microbatch's forward of the stage),
+    ``backward_one_chunk`` (its backward; the last one includes DDP's gradient all-reduce) and
+    the schedule's ``_wait_batch_p2p`` (waiting for sends and receives: the transfer and the
+    time the neighbour stage is still computing, the bubble included) and ``_batch_p2p``
+    (posting them; gloo may send there)."""
+
+    def __init__(self):
+        from torch.distributed.pipelining import schedules, stage
+
+        self.on = False
+        self.t = {"fwd": 0.0, "bwd": 0.0, "wait": 0.0, "post": 0.0}
+        base = stage._PipelineStageBase
+        for cls_, name, key in ((base, "forward_one_chunk", "fwd"), (base, "backward_one_chunk", "bwd"),
+                                (schedules, "_wait_batch_p2p", "wait"), (schedules, "_batch_p2p", "post")):
+            setattr(cls_, name, self._timed(getattr(cls_, name), key))
+
+    def _timed(self, fn, key):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+        return timed
+
+
+_CLOCK = None
+
+
+def stage_times(variants: list[Variant], args, dev, world) -> None:
+    """Per pipelined variant, ``args.steps`` more steps with a :class:`StageClock` on: every
+    rank's seconds per step in forward chunks, backward chunks and point-to-point waits, the
+    rest of its forward and backward (loss, the tied weight's gradient sum, the schedule's
+    bookkeeping) and the optimizer step, kept in ``est_parts["measured_stages"]`` (one row per
+    rank: pp coordinate, fwd, bwd, wait, post, other, optimizer, step)."""
+    global _CLOCK
+    _CLOCK = _CLOCK or StageClock()
+    do_sync = sync(dev)
+    for v in variants:
+        if v.module is None or v.fwd_bwd is None:
+            continue
+        dist.barrier()
+        _CLOCK.t = dict.fromkeys(_CLOCK.t, 0.0)
+        _CLOCK.on = True
+        steps, fbs = [], []
+        for _ in range(args.steps):
+            t, fb = v.step(do_sync)
+            steps.append(t)
+            fbs.append(fb)
+        _CLOCK.on = False
+        n = args.steps
+        fwd, bwd, wait, post = (_CLOCK.t[k] / n for k in ("fwd", "bwd", "wait", "post"))
+        fb, step = sum(fbs) / n, sum(steps) / n
+        mine = torch.zeros(world, 8, dtype=torch.float64, device=dev)
+        mine[dist.get_rank()] = torch.tensor([v.pp_rank, fwd, bwd, wait, post, fb - fwd - bwd - wait - post,
+                                              step - fb, step])
+        dist.all_reduce(mine)
+        v.est_parts["measured_stages"] = mine.tolist()
 
 
 def sync(dev):
@@ -570,6 +636,8 @@ def run_model(args, model_name, dev, rank, world) -> dict:
     build = build_pipeline_variants if pipeline else build_variants
     variants = build_and_measure(build(args, model_name, model, s, batch, dev.type, rank, world), args, dev)
     time_rounds(variants, args, dev, world)
+    if pipeline:
+        stage_times(variants, args, dev, world)
     return dict(job_record(args, model_name, s, dev, world), ref_loss=ref_loss,
                 variants=[variant_record(v) for v in variants])
 
@@ -759,6 +827,13 @@ def table(results: list[dict]) -> str:
                                  f"{', '.join(fmt_s(x) for x in pl['stage_s'])}, p2p {fmt_s(pl['p2p_s'])}, "
                                  f"bubble {pl['bubble']:.2f}, step {fmt_s(pl['step_s'])}")
                     notes.append(line)
+                ms = (v.get("estimate_parts") or {}).get("measured_stages")
+                if ms and not v["na"]:
+                    notes.append(f"{res['model']} {cfg} {v['name']}: measured per rank and step (stage: forward "
+                                 "chunks + backward chunks + p2p waits + p2p posts + rest of fwd+bwd | optimizer = "
+                                 "step): " + "; ".join(
+                                     f"rank {r} (stage {int(row[0])}): " + " + ".join(f"{1e3 * x:.1f}" for x in row[1:6])
+                                     + f" | {1e3 * row[6]:.1f} = {1e3 * row[7]:.1f} ms" for r, row in enumerate(ms)))
             if "autoparallel" in by and eager:
                 r = by["autoparallel"]["step_s"] / eager
                 checks.append(f"{res['model']} {cfg}: autoparallel / eager = {r:.2f}x "
