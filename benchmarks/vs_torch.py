@@ -43,6 +43,30 @@ it does not).
     python benchmarks/vs_torch.py --models llama --worlds 2 --json out.json
     torchrun --standalone --nproc-per-node 2 benchmarks/vs_torch.py --models gpt2   # one job, its table
 
+Pipeline rows (``--pipeline``; world 4, GPT-2 of 8 layers, otherwise the sizes above): on meshes
+(2, 2) with axes ``("pp", "dp")`` and (4,) with ``("pp",)``,
+
+* ``autoparallel``: ``autoparallelize(model, meta_inputs, device_mesh=mesh, schedule="1F1B",
+  microbatches=M)``, trained with ``loss = model.step(**batch)``, every rank the global batch;
+* ``torch PP + DDP`` / ``torch PP``: the hand-written ``torch.distributed.pipelining`` recipe
+  (torchtitan's way): the layers split evenly, each rank a deep copy of the model with the other
+  stages' blocks deleted and the embeddings (but on the first stage) and final norm and head
+  (but on the last) set to ``None`` (:class:`GPT2Stage`), under DDP over ``dp`` (nothing on
+  pp=4), in a ``PipelineStage`` driven by ``Schedule1F1B`` over the same M microbatches (each
+  ``dp`` rank its share of the batch), the loss :func:`causal_lm_loss` of the logits and the
+  labels passed as ``target`` on the last stage. GPT-2 ties its token embedding to its head:
+  both sides untie it (first stage ``wte``, last stage ``lm_head``, the same starting values)
+  and sum the two gradients after every backward, which is what the tied model computes.
+
+Their step is the schedule's forward and backward of every microbatch, then AdamW. Under the
+table, per rank, where the step went (forward and backward chunks, point-to-point waits and
+posts, the rest, the optimizer) as timed inside the pipelining runtime both rows run, and the
+plan's per-stage times, p2p time and bubble beside it. Peak memory is not measured there.
+``--microbatches`` (default 4) and ``--schedule`` (1F1B or GPipe) set both sides.
+
+    python benchmarks/vs_torch.py --pipeline           # world 4: meshes (2, 2) pp,dp and (4,) pp
+    python benchmarks/vs_torch.py --pipeline --quick   # tiny hidden size, few steps
+
 Targets (printed, not asserted): autoparallel data <= 1.05x DDP; autoparallel <= 1.0x the best
 hand-written recipe of its configuration; the estimate within +-25 % of the measured step;
 on a 1-device mesh the emitted module within 5 % of the eager model.

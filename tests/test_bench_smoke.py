@@ -1,7 +1,8 @@
 """Smoke run of ``benchmarks/vs_torch.py --quick`` on 2 gloo processes: every row of the table is
 there (autoparallel, autoparallel data, DDP, FSDP2 and TP for GPT-2 and Llama on mesh (2,)), each
 measured row has a step time, an estimate where it is an autoparallel row, a peak, and the step-0
-loss of the eager model; GPT-2's TP row says why it is not expressible. Timings are not checked."""
+loss of the eager model; GPT-2's TP row says why it is not expressible. Likewise ``memory_bound.py
+--quick`` on 2 processes and ``vs_torch.py --pipeline --quick`` on 4. Timings are not checked."""
 
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ def test_vs_torch_pipeline_quick_four_processes(tmp_path):
     """``benchmarks/vs_torch.py --pipeline --quick`` on 4 gloo processes, one round: on meshes
     (2, 2) pp,dp and (4,) pp, autoparallel's pipeline (1F1B, 4 microbatches) and the hand-written
     torch.distributed.pipelining recipe each have a step, the same step-0 loss as each other and
-    as the eager model, autoparallel an estimate and its plan's stages; the targets are printed.
-    Timings are not checked."""
+    as the eager model, autoparallel an estimate and its plan's stages, both a per-rank breakdown
+    of the step (forward and backward chunks, p2p); the targets are printed. Timings are not
+    checked."""
     out = tmp_path / "pipe.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, SCRIPT, "--pipeline", "--quick", "--rounds", "1", "--steps", "1",
@@ -124,8 +126,12 @@ def test_vs_torch_pipeline_quick_four_processes(tmp_path):
                                                                                     job["ref_loss"])
             assert v["estimate_parts"]["pipeline"]["microbatches"] == 4
             assert v["estimate_parts"]["pipeline"]["schedule"] == "1F1B"
+            stages = v["estimate_parts"]["measured_stages"]  # per rank: pp coordinate, then seconds
+            assert len(stages) == 4 and all(row[1] > 0 and row[2] > 0 and row[-1] > 0 for row in stages), stages
+            assert sorted({int(row[0]) for row in stages}) == list(range(int(mesh[1])))
         auto = rows["autoparallel"]
         assert auto["estimate_s"] > 0 and len(auto["estimate_parts"]["pipeline"]["stage_s"]) == int(mesh[1])
         assert f"{mesh} {names[1]}: layers split" in text
         assert f"mesh {mesh}: step-0 loss autoparallel" in text and "(the same)" in text
         assert f"mesh {mesh}: autoparallel / best recipe ({names[1]})" in text
+        assert f"{mesh} {names[1]}: measured per rank and step" in text
