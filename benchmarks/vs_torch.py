@@ -488,7 +488,7 @@ def pipeline_parts(pl) -> dict:
     """What the JSON keeps of a ``PipelinePlan``."""
     return {"boundaries": list(pl.boundaries), "microbatches": pl.microbatches, "schedule": pl.schedule,
             "stage_s": list(pl.stage_s), "p2p_s": pl.p2p_s, "bubble": pl.bubble, "step_s": pl.step_s,
-            "stage_peak_bytes": list(pl.stage_peak_bytes)}
+            "stage_peak_bytes": list(pl.stage_peak_bytes), "mesh_spec": pl.mesh.to_json()}
 
 
 def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank, world):
@@ -870,7 +870,8 @@ def table(results: list[dict]) -> str:
     links = []
     for res in results:
         for v in res["variants"]:
-            ms = (v.get("estimate_parts") or {}).get("mesh_spec")
+            parts = v.get("estimate_parts") or {}
+            ms = (parts.get("pipeline") or {}).get("mesh_spec") or parts.get("mesh_spec")  # the whole mesh
             if ms and ms["shape"] != [1]:
                 line = (f"mesh {tuple(ms['shape'])}: " + ", ".join(
                     f"{n} {a * 1e6:.0f} us + {1e-9 / b:.2f} GB/s" for n, a, b in zip(ms["axis_names"], ms["alpha"],
