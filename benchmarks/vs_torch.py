@@ -856,7 +856,8 @@ def table(results: list[dict]) -> str:
                     notes.append(f"{res['model']} {cfg} {v['name']}: measured per rank and step (stage: forward "
                                  "chunks + backward chunks + p2p waits + p2p posts + rest of fwd+bwd | optimizer = "
                                  "step): " + "; ".join(
-                                     f"rank {r} (stage {int(row[0])}): " + " + ".join(f"{1e3 * x:.1f}" for x in row[1:6])
+                                     f"rank {r} (stage {int(row[0])}): "
+                                     + " + ".join(f"{1e3 * x:.1f}" for x in row[1:6])
                                      + f" | {1e3 * row[6]:.1f} = {1e3 * row[7]:.1f} ms" for r, row in enumerate(ms)))
             if "autoparallel" in by and eager:
                 r = by["autoparallel"]["step_s"] / eager
