@@ -43,6 +43,30 @@ it does not).
     python benchmarks/vs_torch.py --models llama --worlds 2 --json out.json
     torchrun --standalone --nproc-per-node 2 benchmarks/vs_torch.py --models gpt2   # one job, its table
 
+Pipeline rows (``--pipeline``; world 4, GPT-2 of 8 layers, otherwise the sizes above): on meshes
+(2, 2) with axes ``("pp", "dp")`` and (4,) with ``("pp",)``,
+
+* ``autoparallel``: ``autoparallelize(model, meta_inputs, device_mesh=mesh, schedule="1F1B",
+  microbatches=M)``, trained with ``loss = model.step(**batch)``, every rank the global batch;
+* ``torch PP + DDP`` / ``torch PP``: the hand-written ``torch.distributed.pipelining`` recipe
+  (torchtitan's way): the layers split evenly, each rank a deep copy of the model with the other
+  stages' blocks deleted and the embeddings (but on the first stage) and final norm and head
+  (but on the last) set to ``None`` (:class:`GPT2Stage`), under DDP over ``dp`` (nothing on
+  pp=4), in a ``PipelineStage`` driven by ``Schedule1F1B`` over the same M microbatches (each
+  ``dp`` rank its share of the batch), the loss :func:`causal_lm_loss` of the logits and the
+  labels passed as ``target`` on the last stage. GPT-2 ties its token embedding to its head:
+  both sides untie it (first stage ``wte``, last stage ``lm_head``, the same starting values)
+  and sum the two gradients after every backward, which is what the tied model computes.
+
+Their step is the schedule's forward and backward of every microbatch, then AdamW. Under the
+table, per rank, where the step went (forward and backward chunks, point-to-point waits and
+posts, the rest, the optimizer) as timed inside the pipelining runtime both rows run, and the
+plan's per-stage times, p2p time and bubble beside it. Peak memory is not measured there.
+``--microbatches`` (default 4) and ``--schedule`` (1F1B or GPipe) set both sides.
+
+    python benchmarks/vs_torch.py --pipeline           # world 4: meshes (2, 2) pp,dp and (4,) pp
+    python benchmarks/vs_torch.py --pipeline --quick   # tiny hidden size, few steps
+
 Targets (printed, not asserted): autoparallel data <= 1.05x DDP; autoparallel <= 1.0x the best
 hand-written recipe of its configuration; the estimate within +-25 % of the measured step;
 on a 1-device mesh the emitted module within 5 % of the eager model.
@@ -166,18 +190,28 @@ class Variant:
         self.loss0 = None
         self.error = None
         self.hold_outputs = False     # keep the module's outputs through the step, as a loop reading logits does
+        self.fwd_bwd = None           # pipelined: () -> loss, the schedule's forward and backward of the batch
+        self.loss_value = None        # pipelined: loss -> float, the batch's loss (called on the first step only)
+        self.pp_rank = None           # pipelined: this rank's coordinate along the pipeline axis
 
     def make_optimizer(self):
         make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
         self.optimizer = make(self.module.parameters())
 
-    def step(self, sync) -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def forward_backward(self):
+        """The step's forward and backward; returns the loss."""
+        if self.fwd_bwd is not None:
+            return self.fwd_bwd()
         out = self.module(**self.batch)
         loss = out.loss
         if not self.hold_outputs:
             del out
         loss.backward()
+        return loss
+
+    def step(self, sync) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = self.forward_backward()
         sync()
         t1 = time.perf_counter()
         self.optimizer.step()
@@ -185,7 +219,7 @@ class Variant:
         sync()
         t2 = time.perf_counter()
         if self.loss0 is None:
-            self.loss0 = float(loss.detach().float().item())
+            self.loss0 = self.loss_value(loss) if self.loss_value else float(loss.detach().float().item())
         return t2 - t0, t1 - t0
 
 
@@ -324,6 +358,240 @@ def build_variants(args, model_name, model, s, batch, device_type, rank, world):
                           mean_loss=True)
 
 
+# --------------------------------------------------------------------------- pipeline rows
+
+PIPE_RECIPE = "torch PP"
+PIPE_MESHES = {4: [((2, 2), ("pp", "dp")), ((4,), ("pp",))]}
+
+
+def pipeline_sizes(name: str, quick: bool) -> dict:
+    """The pipeline rows' model: :func:`model_sizes` with 8 layers (``--quick`` too: autoparallel
+    cuts stages in a list of at least 6 alike layers)."""
+    return dict(model_sizes(name, quick), layers=8)
+
+
+def even_boundaries(n_layers: int, stages: int) -> list[int]:
+    """``stages + 1`` layer indices splitting ``n_layers`` as evenly as they go (the extra layers
+    to the first stages), as torchtitan's default split does."""
+    base, extra = divmod(n_layers, stages)
+    out = [0]
+    for s in range(stages):
+        out.append(out[-1] + base + (1 if s < extra else 0))
+    return out
+
+
+class GPT2Stage(torch.nn.Module):
+    """One pipeline stage of a Hugging Face ``GPT2LMHeadModel`` by module surgery, as torchtitan
+    splits its models: a deep copy of the whole model, the transformer blocks of other stages
+    deleted (those kept under their original indices, a ``ModuleDict``), the embeddings set to
+    ``None`` but on the first stage, the final norm and head but on the last. The forward runs
+    what remains, as ``GPT2Model.forward`` does (positions 0..seq-1, the causal mask of
+    ``create_causal_mask``); the last stage returns the logits.
+
+    The token embedding and the head share one weight in the model; the copies untie them: the
+    first stage holds it as ``transformer.wte.weight``, the last as ``lm_head.weight`` (the same
+    values, both copies of the model's), and the recipe sums their gradients after every
+    backward (:func:`pipeline_recipe`), so that they stay equal under the optimizer, as the
+    tied weight of the unsplit model would be."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        m = copy.deepcopy(model)
+        t = m.transformer
+        t.h = torch.nn.ModuleDict({str(i): t.h[i] for i in range(lo, hi)})
+        if not first:
+            t.wte = t.wpe = None
+        if not last:
+            t.ln_f = None
+            m.lm_head = None
+        self.model = m
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+
+        t = self.model.transformer
+        seq = x.shape[1]
+        pos = torch.arange(seq, device=x.device).unsqueeze(0)
+        if t.wte is not None:
+            x = t.drop(t.wte(x) + t.wpe(pos))
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        for block in t.h.values():
+            x = block(x, None, mask, position_ids=pos)
+        if t.ln_f is not None:
+            x = self.model.lm_head(t.ln_f(x))
+        return x
+
+
+def causal_lm_loss(logits, target):
+    """The schedule's ``loss_fn`` on the last stage: what ``GPT2LMHeadModel(labels=)`` computes
+    (next-token cross entropy, mean over the microbatch's predicted tokens, in float32)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target[:, 1:].flatten())
+
+
+def pipeline_recipe(model, s, batch, mesh, dev, microbatches: int, schedule: str, label: str) -> Variant:
+    """The hand-written pipelining recipe on ``mesh`` (axis ``pp``, optionally ``dp``): the layers
+    split evenly (:func:`even_boundaries`), this rank's stage a :class:`GPT2Stage` under
+    ``DistributedDataParallel`` over ``dp`` (nothing on a one-device submesh) in a
+    ``PipelineStage``, driven by ``schedule`` (``Schedule1F1B``) over ``microbatches``, the loss
+    :func:`causal_lm_loss` of the logits and the labels passed as ``target`` on the last stage.
+    Each ``dp`` rank passes its share of the global batch. The tied embedding/head weight's
+    gradients are summed over the first and last stage (one all-reduce per ``dp`` coordinate)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    names = mesh.mesh_dim_names
+    pp = mesh.size(names.index("pp"))
+    pp_rank = mesh.get_local_rank("pp")
+    dp = mesh.size(names.index("dp")) if "dp" in names else 1
+    dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
+    pp_group = mesh.get_group("pp")
+    bounds = even_boundaries(s["layers"], pp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    stage = GPT2Stage(model, bounds[pp_rank], bounds[pp_rank + 1], first, last).to(dev)
+    module = DDP(stage, process_group=mesh.get_group("dp"), gradient_as_bucket_view=True,
+                 device_ids=[dev.index] if dev.type == "cuda" else None) if dp > 1 else stage
+    pstage = PipelineStage(module, pp_rank, pp, dev, group=pp_group)
+    sched = get_schedule_class(schedule)(pstage, n_microbatches=microbatches, loss_fn=causal_lm_loss,
+                                         scale_grads=True)
+    # the tied weight: one group per dp coordinate, [first stage's rank, last stage's rank]
+    grid = mesh.mesh.reshape(pp, dp)
+    tie_group, _ = dist.new_subgroups_by_enumeration([[int(grid[0, c]), int(grid[-1, c])] for c in range(dp)])
+    tied = stage.model.transformer.wte.weight if first else stage.model.lm_head.weight if last else None
+    local = rows_of(batch, dp_rank, dp)
+
+    def fwd_bwd():
+        losses = []
+        if first:
+            sched.step(local["input_ids"], target=local["labels"] if last else None, losses=losses)
+        elif last:
+            sched.step(target=local["labels"], losses=losses)
+        else:
+            sched.step()
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=tie_group)
+        return losses
+
+    def loss_value(losses):
+        loss = torch.stack([x.detach() for x in losses]).mean().float() if last else torch.zeros((), device=dev)
+        dist.broadcast(loss, group_src=pp - 1, group=pp_group)
+        return float(loss.item())
+
+    v = Variant(PIPE_RECIPE + (" + DDP" if dp > 1 else ""), label, [label], module, local, mean_loss=True)
+    v.fwd_bwd, v.loss_value, v.pp_rank = fwd_bwd, loss_value, pp_rank
+    v.est_parts["pipeline"] = {"boundaries": bounds, "microbatches": microbatches, "schedule": schedule}
+    return v
+
+
+def pipeline_parts(pl) -> dict:
+    """What the JSON keeps of a ``PipelinePlan``."""
+    return {"boundaries": list(pl.boundaries), "microbatches": pl.microbatches, "schedule": pl.schedule,
+            "stage_s": list(pl.stage_s), "p2p_s": pl.p2p_s, "bubble": pl.bubble, "step_s": pl.step_s,
+            "stage_peak_bytes": list(pl.stage_peak_bytes), "mesh_spec": pl.mesh.to_json()}
+
+
+def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank, world):
+    """The pipeline rows of this world size (4): per mesh, (pp=2, dp=2) then pp=4, autoparallel
+    pinned to the recipe's schedule and microbatches, every rank passing the global batch, then
+    the hand-written recipe (:func:`pipeline_recipe`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world not in PIPE_MESHES:
+        raise SystemExit(f"--pipeline runs on world 4 (meshes (2, 2) pp,dp and (4,) pp), not {world}")
+    dev = batch["input_ids"].device
+    for shape, names in PIPE_MESHES[world]:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        label = str(shape).replace(" ", "") + " " + ",".join(names)
+        options = dict(schedule=args.schedule, microbatches=args.microbatches)
+        if args.cost_model == "default":
+            # autoparallelize's own default (a cost model of profile_mesh's tables for this mesh) fails on a
+            # 'pp' mesh: the stage plan binds it to the submesh, of another shape than the profile's
+            # (ValueError from CostModel.bind); the same measurements, as device rates and per-axis links
+            prof = autoparallel.profile_mesh(mesh, cache_dir=False if args.no_cache else None)
+            options.update(cost_model=autoparallel.CostModel(prof.device), mesh_spec=prof.mesh_spec(names))
+        v = autoparallel_variant(args, "autoparallel", model, batch, mesh, label, **options)
+        if v.module is not None:
+            pmodel = v.module
+            v.fwd_bwd = lambda pmodel=pmodel, b=batch: pmodel.step(**b)
+            v.pp_rank = mesh.get_local_rank("pp")
+            pl = pmodel.plan.pipeline
+            if pl is None:
+                v.na = "failed: the plan has no pipeline stages"
+                v.module = None
+            else:
+                v.est_parts["pipeline"] = pipeline_parts(pl)
+        yield v
+        if model_name != "gpt2":
+            yield Variant(PIPE_RECIPE, label, [label], na="the hand-written stage split is written for GPT-2 only")
+            continue
+        yield pipeline_recipe(model, s, batch, mesh, dev, args.microbatches, args.schedule, label)
+
+
+class StageClock:
+    """Seconds this rank spends, while :attr:`on`, in the pieces of ``torch.distributed.pipelining``
+    that both pipeline rows run: ``forward_one_chunk`` (a microbatch's forward of the stage),
+    ``backward_one_chunk`` (its backward; the last one includes DDP's gradient all-reduce) and
+    the schedule's ``_wait_batch_p2p`` (waiting for sends and receives: the transfer and the
+    time the neighbour stage is still computing, the bubble included) and ``_batch_p2p``
+    (posting them; gloo may send there)."""
+
+    def __init__(self):
+        from torch.distributed.pipelining import schedules, stage
+
+        self.on = False
+        self.t = {"fwd": 0.0, "bwd": 0.0, "wait": 0.0, "post": 0.0}
+        base = stage._PipelineStageBase
+        for cls_, name, key in ((base, "forward_one_chunk", "fwd"), (base, "backward_one_chunk", "bwd"),
+                                (schedules, "_wait_batch_p2p", "wait"), (schedules, "_batch_p2p", "post")):
+            setattr(cls_, name, self._timed(getattr(cls_, name), key))
+
+    def _timed(self, fn, key):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+        return timed
+
+
+_CLOCK = None
+
+
+def stage_times(variants: list[Variant], args, dev, world) -> None:
+    """Per pipelined variant, ``args.steps`` more steps with a :class:`StageClock` on: every
+    rank's seconds per step in forward chunks, backward chunks and point-to-point waits, the
+    rest of its forward and backward (loss, the tied weight's gradient sum, the schedule's
+    bookkeeping) and the optimizer step, kept in ``est_parts["measured_stages"]`` (one row per
+    rank: pp coordinate, fwd, bwd, wait, post, other, optimizer, step)."""
+    global _CLOCK
+    _CLOCK = _CLOCK or StageClock()
+    do_sync = sync(dev)
+    for v in variants:
+        if v.module is None or v.fwd_bwd is None:
+            continue
+        dist.barrier()
+        _CLOCK.t = dict.fromkeys(_CLOCK.t, 0.0)
+        _CLOCK.on = True
+        steps, fbs = [], []
+        for _ in range(args.steps):
+            t, fb = v.step(do_sync)
+            steps.append(t)
+            fbs.append(fb)
+        _CLOCK.on = False
+        n = args.steps
+        fwd, bwd, wait, post = (_CLOCK.t[k] / n for k in ("fwd", "bwd", "wait", "post"))
+        fb, step = sum(fbs) / n, sum(steps) / n
+        mine = torch.zeros(world, 8, dtype=torch.float64, device=dev)
+        mine[dist.get_rank()] = torch.tensor([v.pp_rank, fwd, bwd, wait, post, fb - fwd - bwd - wait - post,
+                                              step - fb, step])
+        dist.all_reduce(mine)
+        v.est_parts["measured_stages"] = mine.tolist()
+
+
 def sync(dev):
     if dev.type == "cuda":
         return torch.cuda.synchronize
@@ -344,7 +612,7 @@ def measure_peak_cpu(v: Variant) -> int:
         # hook fires, after the peak at the start of the backward): a backward outside the
         # tracker leaves the gradients as views of the buckets, zeroed rather than freed, so that
         # the tracker counts them from the start
-        v.module(**v.batch).loss.backward()
+        v.forward_backward()
         v.optimizer.zero_grad(set_to_none=False)
     tracker = MemTracker()
     # ZeroRedundancyOptimizer holds its shard's states in the optimizer it wraps
@@ -384,12 +652,16 @@ def run_worker(args, run_model_fn=None) -> list[dict] | None:
 
 
 def run_model(args, model_name, dev, rank, world) -> dict:
-    model, s = build_model(model_name, args.quick)
+    pipeline = getattr(args, "pipeline", False)
+    model, s = build_model(model_name, args.quick, pipeline_sizes(model_name, args.quick) if pipeline else None)
     batch = global_batch(s, dev)
     with torch.no_grad():
         ref_loss = float(copy.deepcopy(model).to(dev)(**batch).loss.item())
-    variants = build_and_measure(build_variants(args, model_name, model, s, batch, dev.type, rank, world), args, dev)
+    build = build_pipeline_variants if pipeline else build_variants
+    variants = build_and_measure(build(args, model_name, model, s, batch, dev.type, rank, world), args, dev)
     time_rounds(variants, args, dev, world)
+    if pipeline:
+        stage_times(variants, args, dev, world)
     return dict(job_record(args, model_name, s, dev, world), ref_loss=ref_loss,
                 variants=[variant_record(v) for v in variants])
 
@@ -425,6 +697,10 @@ def build_and_measure(builder, args, dev) -> list[Variant]:
         if device_type == "cuda":
             torch.cuda.synchronize()
             v.peak_bytes = torch.cuda.max_memory_allocated() - before
+        elif v.fwd_bwd is not None:
+            # under MemTracker's dispatch mode, torch.distributed.pipelining's point-to-point waits of the
+            # middle stages (pp=4) never complete on gloo (seen with torch 2.13): no CPU peak for these rows
+            v.peak_bytes = None
         else:
             try:
                 v.peak_bytes = measure_peak_cpu(v)
@@ -481,7 +757,7 @@ def job_record(args, model_name, s, dev, world) -> dict:
         else f"cpu ({torch.get_num_threads()} threads per process)",
         "backend": dist.get_backend(), "sizes": s, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
         "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "MemTracker",
-        "cost_model": args.cost_model}
+        "cost_model": args.cost_model, "pipeline": bool(getattr(args, "pipeline", False))}
 
 
 def variant_record(v: Variant) -> dict:
@@ -520,7 +796,7 @@ def table(results: list[dict]) -> str:
             vs = [v for v in res["variants"] if c in v["configs"]]
             ddp = next((v["step_s"] for v in vs if v["name"] == "DDP" and v["step_s"]), None)
             eager = next((v["step_s"] for v in vs if v["name"] == "eager" and v["step_s"]), None)
-            rec = [v for v in vs if v["name"] in RECIPES and v["step_s"]]
+            rec = [v for v in vs if (v["name"] in RECIPES or v["name"].startswith(PIPE_RECIPE)) and v["step_s"]]
             best = min(rec, key=lambda v: v["step_s"]) if rec else None
             cfg = f"world {res['world']}, mesh {c}"
             for v in vs:
@@ -559,6 +835,30 @@ def table(results: list[dict]) -> str:
                 r = by["autoparallel"]["step_s"] / best["step_s"]
                 checks.append(f"{res['model']} {cfg}: autoparallel / best recipe ({best['name']}) = {r:.2f}x "
                               f"(target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'})")
+            pipe = next((v for n, v in by.items() if n.startswith(PIPE_RECIPE)), None)
+            if "autoparallel" in by and pipe:
+                a, h = by["autoparallel"]["loss0"], pipe["loss0"]
+                same = abs(a - h) <= 1e-4 * abs(h) + 1e-5
+                checks.append(f"{res['model']} {cfg}: step-0 loss autoparallel {a:.6f}, {pipe['name']} {h:.6f} "
+                              f"({'the same' if same else 'DIFFERENT'})")
+            for v in vs:
+                pl = (v.get("estimate_parts") or {}).get("pipeline")
+                if pl and not v["na"]:
+                    line = f"{res['model']} {cfg} {v['name']}: layers split {pl['boundaries']}, " \
+                           f"{pl['microbatches']} microbatches, {pl['schedule']}"
+                    if "stage_s" in pl:
+                        line += (f"; planned: per stage fwd+bwd of a microbatch "
+                                 f"{', '.join(fmt_s(x) for x in pl['stage_s'])}, p2p {fmt_s(pl['p2p_s'])}, "
+                                 f"bubble {pl['bubble']:.2f}, step {fmt_s(pl['step_s'])}")
+                    notes.append(line)
+                ms = (v.get("estimate_parts") or {}).get("measured_stages")
+                if ms and not v["na"]:
+                    notes.append(f"{res['model']} {cfg} {v['name']}: measured per rank and step (stage: forward "
+                                 "chunks + backward chunks + p2p waits + p2p posts + rest of fwd+bwd | optimizer = "
+                                 "step): " + "; ".join(
+                                     f"rank {r} (stage {int(row[0])}): "
+                                     + " + ".join(f"{1e3 * x:.1f}" for x in row[1:6])
+                                     + f" | {1e3 * row[6]:.1f} = {1e3 * row[7]:.1f} ms" for r, row in enumerate(ms)))
             if "autoparallel" in by and eager:
                 r = by["autoparallel"]["step_s"] / eager
                 checks.append(f"{res['model']} {cfg}: autoparallel / eager = {r:.2f}x "
@@ -571,7 +871,8 @@ def table(results: list[dict]) -> str:
     links = []
     for res in results:
         for v in res["variants"]:
-            ms = (v.get("estimate_parts") or {}).get("mesh_spec")
+            parts = v.get("estimate_parts") or {}
+            ms = (parts.get("pipeline") or {}).get("mesh_spec") or parts.get("mesh_spec")  # the whole mesh
             if ms and ms["shape"] != [1]:
                 line = (f"mesh {tuple(ms['shape'])}: " + ", ".join(
                     f"{n} {a * 1e6:.0f} us + {1e-9 / b:.2f} GB/s" for n, a, b in zip(ms["axis_names"], ms["alpha"],
@@ -589,8 +890,15 @@ def table(results: list[dict]) -> str:
         f"cost model: {r0.get('cost_model')}" + (f"; links as planned: {'; '.join(links)}" if links else ""),
         f"peak MiB: per device, largest rank, {r0.get('memory')}; loss0: the step-0 loss of the global batch "
         "(must equal the eager model's)",
-        "vs DDP / vs best recipe: s/step over DDP's / over the fastest of DDP, FSDP2, TP and FSDP2+TP in the same "
-        "configuration"])
+        "vs DDP / vs best recipe: s/step over DDP's / over the fastest of DDP, FSDP2, TP and FSDP2+TP (pipeline "
+        f"rows: {PIPE_RECIPE}, torch.distributed.pipelining by hand) in the same configuration"])
+    if any(r.get("pipeline") for r in results):
+        head += ("\npipeline rows: autoparallelize(..., device_mesh=pp mesh, schedule=, microbatches=) next to "
+                 f"{PIPE_RECIPE} (torch.distributed.pipelining by hand: the layers split evenly by module surgery, a "
+                 "PipelineStage per rank, DDP over dp); a step is the schedule's forward and backward of every "
+                 "microbatch, then AdamW; the cost model 'default' is profile_mesh's device rates and links "
+                 "(CostModel(profile.device), mesh_spec=profile.mesh_spec()); peak memory is not measured (MemTracker "
+                 "hangs the schedule's point-to-point waits)")
     parts = [head, out]
     if checks:
         parts.append("targets:\n" + "\n".join("  " + c for c in checks))
@@ -604,8 +912,10 @@ def table(results: list[dict]) -> str:
 def arg_parser(description: str, models: str = "gpt2,llama", worlds: str = "1,2,4") -> argparse.ArgumentParser:
     """The options every benchmark built on this script's machinery takes (a caller may add its own)."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--models", default=models, help="comma-separated: gpt2 and/or llama")
-    ap.add_argument("--worlds", default=worlds, help="driver: comma-separated world sizes (1, 2, 4)")
+    ap.add_argument("--models", default=models, help="comma-separated: gpt2 and/or llama"
+                    + (f" (default {models})" if models else ""))
+    ap.add_argument("--worlds", default=worlds, help="driver: comma-separated world sizes (1, 2, 4)"
+                    + (f" (default {worlds})" if worlds else ""))
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke run)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 3, quick 1)")
@@ -633,13 +943,27 @@ def finish_args(args):
 
 
 def parse_args(argv=None):
-    return finish_args(arg_parser(__doc__.splitlines()[0]).parse_args(argv))
+    ap = arg_parser(__doc__.splitlines()[0], models=None, worlds=None)
+    ap.add_argument("--pipeline", action="store_true",
+                    help="the pipeline rows instead: world 4, meshes (2, 2) pp,dp and (4,) pp, autoparallel next to "
+                         "torch.distributed.pipelining by hand (default models gpt2, worlds 4)")
+    ap.add_argument("--microbatches", type=int, default=4, help="--pipeline: microbatches of both sides (default 4)")
+    ap.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"],
+                    help="--pipeline: the schedule of both sides (default 1F1B)")
+    args = ap.parse_args(argv)
+    if args.models is None:
+        args.models = "gpt2" if args.pipeline else "gpt2,llama"
+    if args.worlds is None:
+        args.worlds = "4" if args.pipeline else "1,2,4"
+    return finish_args(args)
 
 
 def worker_argv(args) -> list[str]:
     """The options the driver passes on to each torchrun job."""
     out = ["--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device, "--cost-model", args.cost_model]
+    if getattr(args, "pipeline", False):
+        out += ["--pipeline", "--microbatches", str(args.microbatches), "--schedule", args.schedule]
     if args.quick:
         out.append("--quick")
     if args.threads:

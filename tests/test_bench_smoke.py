@@ -1,7 +1,8 @@
 """Smoke run of ``benchmarks/vs_torch.py --quick`` on 2 gloo processes: every row of the table is
 there (autoparallel, autoparallel data, DDP, FSDP2 and TP for GPT-2 and Llama on mesh (2,)), each
 measured row has a step time, an estimate where it is an autoparallel row, a peak, and the step-0
-loss of the eager model; GPT-2's TP row says why it is not expressible. Timings are not checked."""
+loss of the eager model; GPT-2's TP row says why it is not expressible. Likewise ``memory_bound.py
+--quick`` on 2 processes and ``vs_torch.py --pipeline --quick`` on 4. Timings are not checked."""
 
 from __future__ import annotations
 
@@ -91,3 +92,46 @@ def test_memory_bound_quick_two_processes(tmp_path):
         assert auto["step_s"] > 0 and auto["peak_bytes"] > 0 and auto["estimate_parts"]["peak_memory_bytes"] > 0
         assert auto["estimate_parts"]["memory_budget_bytes"] == job["budgets"]["0.8"]
         assert "autoparallel measured device peak" in text
+
+
+PIPE_ROWS = {"(2,2) pp,dp": ["autoparallel", "torch PP + DDP"], "(4,) pp": ["autoparallel", "torch PP"]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_vs_torch_pipeline_quick_four_processes(tmp_path):
+    """``benchmarks/vs_torch.py --pipeline --quick`` on 4 gloo processes, one round: on meshes
+    (2, 2) pp,dp and (4,) pp, autoparallel's pipeline (1F1B, 4 microbatches) and the hand-written
+    torch.distributed.pipelining recipe each have a step, the same step-0 loss as each other and
+    as the eager model, autoparallel an estimate and its plan's stages, both a per-rank breakdown
+    of the step (forward and backward chunks, p2p); the targets are printed. Timings are not
+    checked."""
+    out = tmp_path / "pipe.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, "--pipeline", "--quick", "--rounds", "1", "--steps", "1",
+                           "--json", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=570)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    text = proc.stdout
+    (job,) = json.loads(out.read_text())
+    assert job["model"] == "gpt2" and job["world"] == 4 and job["pipeline"] and job["sizes"]["layers"] == 8
+    for mesh, names in PIPE_ROWS.items():
+        rows = {v["name"]: v for v in job["variants"] if v["mesh"] == mesh}
+        assert list(rows) == names, (mesh, list(rows))
+        for name, v in rows.items():
+            assert v["na"] is None and v["error"] is None, (mesh, name, v)
+            assert v["step_s"] > 0 and v["fwd_bwd_s"] > 0, (mesh, name, v)
+            assert abs(v["loss0"] - job["ref_loss"]) <= 1e-4 * abs(job["ref_loss"]), (mesh, name, v["loss0"],
+                                                                                    job["ref_loss"])
+            assert v["estimate_parts"]["pipeline"]["microbatches"] == 4
+            assert v["estimate_parts"]["pipeline"]["schedule"] == "1F1B"
+            stages = v["estimate_parts"]["measured_stages"]  # per rank: pp coordinate, then seconds
+            assert len(stages) == 4 and all(row[1] > 0 and row[2] > 0 and row[-1] > 0 for row in stages), stages
+            assert sorted({int(row[0]) for row in stages}) == list(range(int(mesh[1])))
+        auto = rows["autoparallel"]
+        assert auto["estimate_s"] > 0 and len(auto["estimate_parts"]["pipeline"]["stage_s"]) == int(mesh[1])
+        assert f"{mesh} {names[1]}: layers split" in text
+        assert f"mesh {mesh}: step-0 loss autoparallel" in text and "(the same)" in text
+        assert f"mesh {mesh}: autoparallel / best recipe ({names[1]})" in text
+        assert f"{mesh} {names[1]}: measured per rank and step" in text
