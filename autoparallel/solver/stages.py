@@ -64,7 +64,7 @@ from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
-from .pipeline import plan_traced
+from .pipeline import plan_traced, prepare
 from .pricing import written_back_outputs
 
 log = logging.getLogger("autoparallel")
@@ -173,12 +173,14 @@ def piece_of_nodes(gm, layers: str, num_layers: int) -> dict:
     return piece
 
 
-def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOptions) -> Pieces:
+def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOptions,
+              memory: MemoryModel | None = None) -> Pieces:
     """The pieces of the intra-stage plan ``inner`` of ``traced`` (:class:`Pieces`): its nodes'
     seconds (``NodePlan.compute_s``, ``comm_s``; a parameter's are its optimizer update and
     gradient reduction, once per step), the exposed fraction of the gradient reduction and the
     DTensor overhead of the estimate spread over the pieces by their parameters, the checkpoint
-    regions' recomputation, and the memory model's items under the plan's strategies."""
+    regions' recomputation, and the memory model's items under the plan's strategies (``memory``:
+    the planner's model of ``traced`` on the plan's mesh, else built here)."""
     gm = traced.gm
     piece = piece_of_nodes(gm, layers, num_layers)
     P = num_layers + 2
@@ -227,7 +229,7 @@ def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOp
     micro += recompute
 
     state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, inside,
-                                                         region_saved, region_piece)
+                                                         region_saved, region_piece, memory)
     return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad)
 
 
@@ -241,14 +243,16 @@ def _choice(inner: Plan, gm) -> dict:
     return out
 
 
-def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, region_saved, region_piece):
+def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, region_saved, region_piece,
+            model: MemoryModel | None = None):
     gm = traced.gm
     aliases = {n: (n.args[0], n.args[1]) for n in gm.graph.nodes
                if n.op == "call_function" and n.target is __import__("operator").getitem}
     shape = inner.mesh.shape
-    whole = written_back_outputs(gm, traced.buffer_mutations)
-    model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
-                        traced_on=traced.device, outputs=options.outputs, whole_outputs=whole)
+    if model is None:
+        whole = written_back_outputs(gm, traced.buffer_mutations)
+        model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
+                            traced_on=traced.device, outputs=options.outputs, whole_outputs=whole)
     choice = _choice(inner, gm)
     state, saved, dropped = np.zeros(P), np.zeros(P), np.zeros(P)
     live = np.zeros((P, model.steps + 1))
@@ -549,22 +553,24 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
         pp = mesh.shape[axis]
         sub = submesh(mesh, axis)
         best_axis = None
-        for micro in _microbatch_counts(pp, batch, options):
+        for micro in sorted(_microbatch_counts(pp, batch, options), reverse=True):
             if micro < pp:
                 raise AutoParallelError(f"{micro} microbatches are fewer than the {pp} pipeline devices")
+            bound = min((c[0] for c in candidates), default=math.inf)
             traced = capture_at(micro)
             cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers,
-                                   micro)
+                                   micro, bound=bound)
             lowest = min(lowest, low)
             if cand is None:
-                continue
+                log.info("pipeline over %s (%d), %d microbatches: none kept; fewer microbatches are not tried",
+                         mesh.axis_names[axis], pp, micro)
+                break  # fewer microbatches hold as many activations or more in flight: none fits either
             log.info("pipeline over %s (%d), %d microbatches: %s, step %s", mesh.axis_names[axis], pp, micro,
                      cand.pipeline.schedule, units.seconds(cand.pipeline.step_s))
-            if best_axis is not None and cand.pipeline.step_s >= best_axis.pipeline.step_s:
-                candidates.append((cand.pipeline.step_s, finish(cand, budget)))
-                break  # more microbatches stopped paying: the per-microbatch work no longer shrinks the bubble
-            best_axis = cand
             candidates.append((cand.pipeline.step_s, finish(cand, budget)))
+            if best_axis is not None and cand.pipeline.step_s >= best_axis.pipeline.step_s:
+                break  # fewer microbatches stopped paying: the bubble grows faster than the per-microbatch work shrinks
+            best_axis = cand
     if not candidates:
         raise InfeasiblePlanError(f"no pipeline fits the {units.nbytes(budget)} budget per device: the smallest "
                                   f"stage peak reached is {units.nbytes(lowest)}")
@@ -574,35 +580,44 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
 
 
 def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
-               schedules=None, boundaries=None):
-    """The best pipeline at ``micro`` microbatches over ``axis``: the intra-stage plan solved
-    first without a budget (the fastest strategies); when no split of it fits, solved again
-    under the budget that leaves a stage its share: ``budget + state · (pp − 1) / pp`` (the
-    whole model's parameters, gradients and optimizer states of the previous solve, of which
-    a stage holds ``1/pp``; 1F1B's first stage holds about one microbatch of every layer's
-    activations), once."""
+               schedules=None, boundaries=None, bound=math.inf):
+    """The best pipeline at ``micro`` microbatches over ``axis`` and the smallest stage peak
+    seen: the intra-stage plan solved first without a budget (the fastest strategies); when no
+    split of it fits, solved again under the budget that leaves a stage its share,
+    ``budget + state · (pp − 1) / pp`` (the whole model's parameters, gradients and optimizer
+    states of the first solve, of which a stage holds ``1/pp``), once. Both solves share one
+    :func:`~autoparallel.solver.pipeline.prepare` (strategies, memory model, built problem).
+
+    The re-solve is skipped (``None``) when the first plan's pipeline with no memory limit on
+    its split is no faster than ``bound`` (the best candidate so far): a budget only adds
+    sharding or recomputation to the fastest plan, so the budgeted plan's pipeline is taken to
+    be no faster (exact but for the ILP pricing one microbatch's work and the step's once)."""
     pp = mesh.shape[axis]
     schedules = schedules or _schedules(pp, num_layers, micro, options)
-    inner_budget = "unlimited"
+    prepared = prepare(traced, sub, inner_options)
     low = math.inf
-    for _ in range(2):
+    inner_budget = "unlimited"
+    for attempt in range(2):
         try:
-            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget))
+            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget), prepared=prepared)
         except InfeasiblePlanError as e:
             log.info("intra-stage plan at %d microbatches: %s", micro, e)
             return None, low
-        pieces = aggregate(inner, traced, layers, num_layers, options)
-        cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
-                                    microbatches=micro, budget=budget, schedules=schedules, boundaries=boundaries,
-                                    pieces=pieces)
+        pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
+        kw = dict(layers=layers, num_layers=num_layers, microbatches=micro, schedules=schedules,
+                  boundaries=boundaries, pieces=pieces)
+        cand, peak = price_pipeline(inner, traced, mesh, axis, options, budget=budget, **kw)
         low = min(low, peak)
-        if cand is not None or budget is None:
+        if cand is not None or budget is None or attempt:
             return cand, low
-        state = float(pieces.state.sum())
-        nxt = int(budget + state * (pp - 1) / pp)
-        if inner_budget != "unlimited" and nxt >= inner_budget:
-            nxt = int(inner_budget * 0.8)
-        inner_budget = nxt
+        if bound < math.inf:
+            free, _ = price_pipeline(inner, traced, mesh, axis, options, budget=None, **kw)
+            if free is not None and free.pipeline.step_s >= bound:
+                log.info("%d microbatches: no split fits, and without a memory limit the step would be %s, no "
+                         "faster than %s: not solved again under the budget", micro,
+                         units.seconds(free.pipeline.step_s), units.seconds(bound))
+                return None, low
+        inner_budget = int(budget + float(pieces.state.sum()) * (pp - 1) / pp)
     return None, low
 
 
