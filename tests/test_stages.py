@@ -122,3 +122,39 @@ def test_compare_prices_the_3d_recipe_by_the_same_model():
     recipe = c.rows[1].plan
     assert recipe.pipeline.schedule == "1F1B" and recipe.pipeline.boundaries == (0, 3, 6)
     assert c.plan.estimate.step_time_s <= recipe.estimate.step_time_s
+
+
+def test_a_profile_of_the_whole_mesh_prices_the_stage_on_its_submesh():
+    """A cost model profiled on the whole (pp, dp) mesh: the stage solve runs on dp alone and
+    binds the profile's submesh (CostModel.bind used to raise on the shape)."""
+    from autoparallel.solver.costs import COLLECTIVES, CollectiveTable, CommProfile, CostModel, DevicePreset
+
+    sizes = [4096 * 2**i for i in range(8)]
+    tables = {(a, k): CollectiveTable.fit(sizes, [2e-5 + 1e-10 * (1 + a) * b for b in sizes])
+              for a in range(2) for k in COLLECTIVES}
+    identity = {"backend": "gloo", "device_type": "cpu", "device_name": "test cpu", "world_size": 4,
+                "mesh_shape": [2, 2], "hosts": ["a", "a", "b", "b"], "torch": torch.__version__}
+    profile = CommProfile(identity, ("pp", "dp"), tables, DevicePreset("test", 5e10, 2e10, 1e10, 2**30))
+    sub = profile.submesh(0)
+    assert sub.mesh_shape == (2,) and sub.axis_names == ("dp",) and sub.identity["hosts"] == ["a", "a"]
+    assert set(sub.tables) == {(0, k) for k in COLLECTIVES} and sub.tables[(0, "all_reduce")] is tables[(1, "all_reduce")]
+    cm = CostModel.from_profile(profile)
+    p = plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), microbatches=4, schedule="1F1B", cost_model=cm)
+    assert p.pipeline.pp == 2 and p.mesh.shape == (2,) and cm.profile is profile
+
+
+def test_the_recipe_checkpoints_every_layer_only_when_a_stage_would_not_fit():
+    """torchtitan's recipe: no activation checkpointing when its even split fits, else every
+    layer checkpointed, which the pieces price as keeping each layer's input only."""
+    mesh = MeshSpec((2, 2), ("pp", "tp"))
+    roomy = autoparallel.compare(llama(), batch(16, 256), mesh_spec=mesh, cache_dir=False, microbatches=4)
+    assert "no activation checkpointing" in " ".join(roomy.rows[1].notes)
+    peak = roomy.rows[1].plan.estimate.peak_memory_bytes
+    tight = autoparallel.compare(llama(), batch(16, 256), mesh_spec=mesh, cache_dir=False, microbatches=4,
+                                 memory_budget=int(peak * 0.7))
+    recipe = tight.rows[1].plan
+    assert "full activation checkpointing" in " ".join(tight.rows[1].notes)
+    assert recipe.checkpoint is not None and len(recipe.checkpoint.regions) >= 6  # one per layer at least
+    assert recipe.estimate.peak_memory_bytes <= peak * 0.7 < peak
+    assert recipe.estimate.step_time_s > roomy.rows[1].plan.estimate.step_time_s  # the recomputation
+    assert tight.plan.estimate.peak_memory_bytes <= peak * 0.7

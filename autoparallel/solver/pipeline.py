@@ -167,10 +167,13 @@ def _solve(planner: Planner, options: PlanOptions, budget: int | None, prepared:
                     checkpointing=options.checkpointing)
     try:
         if prepared is not None and prepared.planner is planner:  # the problem built once across budgets
+            t0 = time.perf_counter()
             if prepared.built is None:
                 prepared.built = planner.build_problem()
             prepared.built.ilp.memory_rows = []  # a previous budget's rows
+            t_build = time.perf_counter() - t0
             plan = planner.solve(**keywords, built=prepared.built)
+            plan.solver_stats.stage_s["costs"] += t_build
         else:
             plan = planner.solve(**keywords)
     except errors.InfeasiblePlanError as e:

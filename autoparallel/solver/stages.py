@@ -66,6 +66,7 @@ from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
 from .pipeline import plan_traced, prepare
 from .pricing import written_back_outputs
+from ..runtime_kernels.recompute import SAVED_TARGETS
 
 log = logging.getLogger("autoparallel")
 
@@ -213,23 +214,18 @@ def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOp
     # latency terms of the gradient reduction, not in any node: spread as the parameters
     step += max(0.0, est.exposed_grad_comm_s - exposed * grad.sum()) * share
 
-    inside: dict[str, int] = {}  # node name → top-level checkpoint region
-    region_saved, region_piece = [], []
+    region_piece = []  # per top-level checkpoint region, the piece most of its nodes are in
     ck = inner.checkpoint
     if ck is not None:
-        for i, (reg, row) in enumerate(zip(ck.regions, ck.table)):
+        for reg, row in zip(ck.regions, ck.table):
             names = [nm for nm, st in ck.stages.items() if reg.start <= st < reg.stop]
-            for nm in names:
-                inside[nm] = i
             ks = [piece[by_name[nm]] for nm in names if nm in by_name]
             k = max(set(ks), key=ks.count) if ks else 0
             recompute[k] += row.recompute_s
-            region_saved.append(row.saved_bytes)
             region_piece.append(k)
     micro += recompute
 
-    state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, inside,
-                                                         region_saved, region_piece, memory)
+    state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, region_piece, memory)
     return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad)
 
 
@@ -243,8 +239,13 @@ def _choice(inner: Plan, gm) -> dict:
     return out
 
 
-def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, region_saved, region_piece,
-            model: MemoryModel | None = None):
+def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_piece, model: MemoryModel | None = None):
+    """Per piece: state, saved and transient bytes, and per layer boundary the bytes crossing
+    it (:class:`Pieces`). Under the plan's checkpoint regions, as the chain model of
+    :func:`~autoparallel.solver.remat.build_chain` counts them: what an op of a region saves is
+    recomputed, not kept; a region keeps its inputs (the forward values made before its first
+    stage and read from it on) and, run selectively, the outputs of its matmuls and attention
+    that do not leave it."""
     gm = traced.gm
     aliases = {n: (n.args[0], n.args[1]) for n in gm.graph.nodes
                if n.op == "call_function" and n.target is __import__("operator").getitem}
@@ -256,6 +257,17 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, re
     choice = _choice(inner, gm)
     state, saved, dropped = np.zeros(P), np.zeros(P), np.zeros(P)
     live = np.zeros((P, model.steps + 1))
+    ck = inner.checkpoint
+    n_fwd = len(model.nodes)
+    if ck is not None:
+        stage_of = ck.stages
+        region_of = np.full(max(stage_of.values(), default=0) + 2, -1)
+        for i, reg in enumerate(ck.regions):
+            region_of[reg.start:reg.stop] = i
+        step_stage = np.array([stage_of.get(n.name, -1) for n in model.nodes] + [-1])
+        kept = np.zeros(len(ck.regions))
+        starts = np.array([reg.start for reg in ck.regions])
+        selective = [reg.selective for reg in ck.regions]
     for it in model.items:
         if it.owner not in choice or (it.param is not None and it.param not in choice):
             continue
@@ -266,15 +278,23 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, re
         if it.kind in STATE_KINDS:
             state[k] += b
         elif it.kind in SAVED_KINDS and it.end > it.start:
-            if it.owner.name in inside:  # recomputed in the backward, not kept
+            st = step_stage[min(it.start, n_fwd)] if ck is not None else -1
+            if st >= 0 and region_of[st] >= 0:  # saved in a region: recomputed in the backward, not kept
                 dropped[k] += b
             else:
                 saved[k] += b
         else:
             live[k, it.start] += b
             live[k, it.end + 1] -= b
-    for k, b in zip(region_piece, region_saved):
-        saved[k] += b
+            if ck is not None and it.forward_value and it.owner.name in stage_of:
+                s0, s1 = stage_of[it.owner.name], step_stage[min(it.end, n_fwd - 1)]
+                if s1 > s0:  # an input of every region starting after s0 up to s1: the checkpoint keeps it
+                    kept[(starts > s0) & (starts <= s1)] += b
+                elif region_of[s0] >= 0 and selective[region_of[s0]] and it.owner.target in SAVED_TARGETS:
+                    kept[region_of[s0]] += b
+    if ck is not None:
+        for k, b in zip(region_piece, kept):
+            saved[k] += b
     transient = np.cumsum(live, axis=1).max(axis=1) + dropped / np.maximum(1, _regions_per_piece(region_piece, P))
     # values produced in earlier pieces and read in later ones cross the boundaries between
     cross, cross_grad = np.zeros(P), np.zeros(P)
@@ -552,13 +572,14 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     for axis in axes:
         pp = mesh.shape[axis]
         sub = submesh(mesh, axis)
+        stage_options = _on_submesh(inner_options, axis)
         best_axis = None
         for micro in sorted(_microbatch_counts(pp, batch, options), reverse=True):
             if micro < pp:
                 raise AutoParallelError(f"{micro} microbatches are fewer than the {pp} pipeline devices")
             bound = min((c[0] for c in candidates), default=math.inf)
             traced = capture_at(micro)
-            cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers,
+            cand, low = _search_at(traced, mesh, sub, axis, options, stage_options, budget, layers, num_layers,
                                    micro, bound=bound)
             lowest = min(lowest, low)
             if cand is None:
@@ -577,6 +598,14 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     step, plan = min(candidates, key=lambda c: c[0])
     plan.solver_stats.stage_s["stages"] = time.perf_counter() - t0
     return plan
+
+
+def _on_submesh(options: PlanOptions, axis: int) -> PlanOptions:
+    """``options`` for a stage's solve on the mesh less ``axis``: a cost model profiled on the
+    whole mesh priced by its profile of the submesh (:meth:`~.costs.CostModel.submesh`)."""
+    if options.cost_model is None or options.cost_model.profile is None:
+        return options
+    return replace(options, cost_model=options.cost_model.submesh(axis))
 
 
 def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
@@ -630,7 +659,12 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
     the pipeline axis of ``plan`` (else the one named ``"pp"``, else the first axis), an even
     split of the layers, 1F1B, ``plan``'s microbatches (else ``pp``), and within a stage the
     FSDP + TP recipe of :func:`autoparallel.recipes.recipes` on the submesh (Megatron TP where
-    the submesh has one axis), priced by the same step and memory model as the search."""
+    the submesh has one axis), priced by the same step and memory model as the search. As
+    torchtitan, no activation checkpointing when every stage fits without it, else full
+    per-layer checkpointing (``checkpointing="full"`` with one region per layer,
+    :attr:`~autoparallel.solver.planner.Planner.checkpoint_per_layer`: each layer keeps its
+    input and recomputes its forward in the backward); the row says which. Its plan's
+    ``solver_stats.stage_s["recipe"]`` holds the seconds it took (the capture is the search's)."""
     from ..recipes import Row, recipes
 
     pl = plan.pipeline if plan is not None else None
@@ -652,13 +686,30 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
         inner_recipe = next((r for r in listed.values() if r.name.startswith("Megatron TP")), inner_recipe)
     if inner_recipe is None or inner_recipe.constraints is None:
         return Row(name, None, inner_recipe.reason if inner_recipe else "no FSDP + TP recipe for the stage")
-    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
-                            constraints=inner_recipe.constraints)
+    t0 = time.perf_counter()
+    inner_options = _on_submesh(replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+                                        constraints=inner_recipe.constraints, memory_budget="unlimited"), axis)
+    even = even_boundaries(num_layers, pp)
+    low = math.inf
     try:
-        cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro,
-                               schedules=["1F1B"], boundaries=even_boundaries(num_layers, pp))
+        prepared = prepare(traced, sub, inner_options)
+        for ck in ("off", "full"):  # torchtitan: no activation checkpointing when it fits, else every block's
+            prepared.planner.checkpoint_per_layer = ck == "full"
+            inner = plan_traced(traced, sub, replace(inner_options, checkpointing=ck), prepared=prepared)
+            pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
+            cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
+                                        microbatches=micro, budget=budget, schedules=["1F1B"], boundaries=even,
+                                        pieces=pieces)
+            low = min(low, peak)
+            if cand is not None:
+                break
     except AutoParallelError as e:
         return Row(name, None, f"{type(e).__name__}: {e}")
     if cand is None:
-        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget (smallest peak {units.nbytes(low)})")
-    return Row(name, finish(cand, budget), notes=[f"{inner_recipe.name} within a stage"])
+        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget, even with full activation "
+                               f"checkpointing (smallest peak {units.nbytes(low)})")
+    plan = finish(cand, budget)
+    plan.solver_stats.stage_s["recipe"] = time.perf_counter() - t0
+    ac = "full activation checkpointing" if ck == "full" else "no activation checkpointing"
+    return Row(name, plan, notes=[f"{inner_recipe.name} within a stage, {ac}"])
+
