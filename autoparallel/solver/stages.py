@@ -244,7 +244,8 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_pie
     it (:class:`Pieces`). Under the plan's checkpoint regions, as the chain model of
     :func:`~autoparallel.solver.remat.build_chain` counts them: what an op of a region saves is
     recomputed, not kept; a region keeps its inputs (the forward values made before its first
-    stage and read from it on) and, run selectively, the outputs of its matmuls and attention
+    stage and read from it on; one read by several regions, such as an attention mask or the
+    rotary tables, counted once, at the first) and, run selectively, the outputs of its matmuls and attention
     that do not leave it."""
     gm = traced.gm
     aliases = {n: (n.args[0], n.args[1]) for n in gm.graph.nodes
@@ -288,8 +289,9 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_pie
             live[k, it.end + 1] -= b
             if ck is not None and it.forward_value and it.owner.name in stage_of:
                 s0, s1 = stage_of[it.owner.name], step_stage[min(it.end, n_fwd - 1)]
-                if s1 > s0:  # an input of every region starting after s0 up to s1: the checkpoint keeps it
-                    kept[(starts > s0) & (starts <= s1)] += b
+                entered = np.flatnonzero((starts > s0) & (starts <= s1))
+                if len(entered):  # an input of the regions starting after s0 up to s1: kept once, by the first
+                    kept[entered[0]] += b  # (one tensor however many regions read it, as a value saved by several ops)
                 elif region_of[s0] >= 0 and selective[region_of[s0]] and it.owner.target in SAVED_TARGETS:
                     kept[region_of[s0]] += b
     if ck is not None:
