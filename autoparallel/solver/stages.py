@@ -7,17 +7,31 @@ specialised to a model of identical layers, with the intra-operator plan shared 
 stage:
 
 1. candidates: the pipeline axis (the one named ``"pp"``; under ``pipeline="auto"`` every
-   axis of two or more devices, and no pipeline at all), microbatch counts ``M`` (divisors of
-   the batch among ``pp, 2pp, 4pp, 8pp``, or the pinned one) and schedules (the pinned one,
-   else GPipe, 1F1B, and Interleaved1F1B with two stages per device where the layers allow);
-2. per (axis, ``M``): ONE intra-stage ILP solve of the model captured for one microbatch on
-   the submesh (the mesh less the axis). Every stage runs its layers with that plan's
+   axis of two or more devices, and no pipeline at all, solved first so that it bounds the
+   rest), microbatch counts ``M`` (divisors of the batch among ``pp, 2pp, 4pp, 8pp``, or the
+   pinned one) and schedules (the pinned one, else GPipe, 1F1B, and Interleaved1F1B with two
+   stages per device where the layers allow). Counts are tried from the largest down (the
+   smallest bubble first) and an axis stops at the first count that (a) has no fitting
+   pipeline, or cannot beat the best candidate so far (below): fewer microbatches hold as many
+   activations in flight or more (1F1B: ``min(p, M)`` microbatches of ``batch / M`` each;
+   GPipe: the whole batch), so they fit no better; or (b) is slower than the next larger count:
+   a heuristic (the step is taken to be unimodal in ``M``: the bubble shrinks as ``M`` grows
+   and the per-microbatch work grows, its fixed costs, weight gathers and latencies, repeated
+   ``M`` times);
+2. per (axis, ``M``): the model captured for one microbatch (once per ``M``, shared by the
+   axes), its strategies on the submesh (the mesh less the axis) and their planner built once
+   (:func:`~autoparallel.solver.pipeline.prepare`), and at most a few ILP solves on it
+   (:func:`_search_at`): the fastest plan; the same with every layer checkpointed
+   (selectively, fully) when the fastest plan's split is slowed or blocked by memory; a
+   re-solve under a budget when neither fits. Every stage runs its layers with that plan's
    strategies, so the solve prices every layer range; its nodes are aggregated into
    *pieces* (:class:`Pieces`): ``pre`` (what runs before the first layer: embeddings),
    each layer, and ``post`` (final norm, head, loss): per-microbatch seconds (forward,
    backward, their communication and recomputation), per-step seconds (optimizer step and
    exposed gradient reduction), bytes held for the step (parameters, gradients, optimizer
-   states), bytes saved per microbatch (activations) and transient bytes;
+   states), bytes saved per microbatch (activations; a checkpoint region's inputs) and
+   transient bytes. A candidate whose fastest plan, split with no memory limit, is no faster
+   than the best so far is not checkpointed or re-solved (its steps can only be slower);
 3. per schedule: the boundaries by a dynamic program over cut points (the linear-partition
    DP, Alpa's §5.2 recurrence with one device group per stage): ``f[s][j]`` the smallest
    slowest-stage time of ``s`` stages over layers ``[0, j)``, each stage within the memory
@@ -610,46 +624,80 @@ def _on_submesh(options: PlanOptions, axis: int) -> PlanOptions:
     return replace(options, cost_model=options.cost_model.submesh(axis))
 
 
+LAYER_CHECKPOINTING = ("selective", "full")
+"""The per-layer activation checkpointing a stage's plan may take (:func:`_search_at`): each
+layer run selectively (its matmul and attention outputs kept), or each layer keeping only its
+input (torchtitan's selective and full activation checkpointing)."""
+
+
 def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
                schedules=None, boundaries=None, bound=math.inf):
     """The best pipeline at ``micro`` microbatches over ``axis`` and the smallest stage peak
-    seen: the intra-stage plan solved first without a budget (the fastest strategies); when no
-    split of it fits, solved again under the budget that leaves a stage its share,
-    ``budget + state · (pp − 1) / pp`` (the whole model's parameters, gradients and optimizer
-    states of the first solve, of which a stage holds ``1/pp``), once. Both solves share one
-    :func:`~autoparallel.solver.pipeline.prepare` (strategies, memory model, built problem).
+    seen. All solves share one :func:`~autoparallel.solver.pipeline.prepare` (strategies,
+    memory model, built problem) and the ILP's fastest plan:
 
-    The re-solve is skipped (``None``) when the first plan's pipeline with no memory limit on
-    its split is no faster than ``bound`` (the best candidate so far): a budget only adds
-    sharding or recomputation to the fastest plan, so the budgeted plan's pipeline is taken to
-    be no faster (exact but for the ILP pricing one microbatch's work and the step's once)."""
+    1. the intra-stage plan without a budget (the fastest strategies), its split searched under
+       the budget;
+    2. under ``checkpointing="auto"``, the same strategies with every layer checkpointed
+       (:data:`LAYER_CHECKPOINTING`, each a solve without a budget and a split search), unless
+       step 1's split is already its fastest split without a memory limit (``free``): the same
+       strategies plus recomputation take no less per microbatch in any piece, so no split of
+       theirs beats ``free`` (exact). They let a split that memory unbalanced in step 1 even
+       out, or fit where step 1 does not;
+    3. only when neither fits, the plan solved again under the budget that leaves a stage its
+       share, ``budget + state · (pp − 1) / pp`` (the whole model's parameters, gradients and
+       optimizer states, of which a stage holds ``1/pp``), once. The memory search sizes its
+       recomputation for one pass of one microbatch (Rotor's nested schedule), which a stage
+       holding several microbatches in flight does not follow: hence step 2 first.
+
+    Steps 2 and 3 are skipped when ``free`` is no faster than ``bound`` (the best candidate so
+    far): a budget or recomputation only adds sharding or seconds to the fastest plan, so no
+    plan of theirs is taken to be faster (exact for step 2; for step 3 but for the ILP pricing
+    one microbatch's work and the step's once)."""
     pp = mesh.shape[axis]
     schedules = schedules or _schedules(pp, num_layers, micro, options)
     prepared = prepare(traced, sub, inner_options)
     low = math.inf
-    inner_budget = "unlimited"
-    for attempt in range(2):
+
+    def solve(inner_budget, checkpointing, per_layer=False):
+        nonlocal low
+        prepared.planner.checkpoint_per_layer = per_layer
         try:
-            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget), prepared=prepared)
+            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget,
+                                                     checkpointing=checkpointing), prepared=prepared)
         except InfeasiblePlanError as e:
             log.info("intra-stage plan at %d microbatches: %s", micro, e)
-            return None, low
+            return None, None
+        finally:
+            prepared.planner.checkpoint_per_layer = False
         pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
         kw = dict(layers=layers, num_layers=num_layers, microbatches=micro, schedules=schedules,
                   boundaries=boundaries, pieces=pieces)
         cand, peak = price_pipeline(inner, traced, mesh, axis, options, budget=budget, **kw)
         low = min(low, peak)
-        if cand is not None or budget is None or attempt:
-            return cand, low
-        if bound < math.inf:
-            free, _ = price_pipeline(inner, traced, mesh, axis, options, budget=None, **kw)
-            if free is not None and free.pipeline.step_s >= bound:
-                log.info("%d microbatches: no split fits, and without a memory limit the step would be %s, no "
-                         "faster than %s: not solved again under the budget", micro,
-                         units.seconds(free.pipeline.step_s), units.seconds(bound))
-                return None, low
-        inner_budget = int(budget + float(pieces.state.sum()) * (pp - 1) / pp)
-    return None, low
+        return cand, kw | {"inner": inner}
+
+    cand, kw = solve("unlimited", inner_options.checkpointing)
+    if kw is None or budget is None:
+        return cand, low
+    inner = kw.pop("inner")
+    free, _ = price_pipeline(inner, traced, mesh, axis, options, budget=None, **kw)
+    target = min(bound, cand.pipeline.step_s if cand is not None else math.inf)
+    if free is None or free.pipeline.step_s >= target * (1 - 1e-9):
+        if cand is None:
+            log.info("%d microbatches: no split fits, and without a memory limit the step would be %s, no "
+                     "faster than %s: neither checkpointed nor solved again under the budget", micro,
+                     units.seconds(free.pipeline.step_s) if free else "-", units.seconds(bound))
+        return cand, low
+    if inner_options.checkpointing == "auto":
+        for policy in LAYER_CHECKPOINTING:
+            alt, _ = solve("unlimited", policy, per_layer=True)
+            if alt is not None and (cand is None or alt.pipeline.step_s < cand.pipeline.step_s):
+                cand = alt
+    if cand is not None:
+        return cand, low
+    alt, _ = solve(int(budget + float(kw["pieces"].state.sum()) * (pp - 1) / pp), inner_options.checkpointing)
+    return alt, low
 
 
 RECIPE = "PP × FSDP × TP"
