@@ -707,7 +707,8 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
                num_layers: int, batch: int, plan: Plan | None = None):
     """The hand-written 3-D recipe (torchtitan's layout) as a :class:`~autoparallel.recipes.Row`:
     the pipeline axis of ``plan`` (else the one named ``"pp"``, else the first axis), an even
-    split of the layers, 1F1B, ``plan``'s microbatches (else ``pp``), and within a stage the
+    split of the layers, 1F1B, ``plan``'s microbatches (else the most the search tries, ``8 · pp``
+    where the batch allows: torchtitan's one sequence per microbatch), and within a stage the
     FSDP + TP recipe of :func:`autoparallel.recipes.recipes` on the submesh (Megatron TP where
     the submesh has one axis), priced by the same step and memory model as the search. As
     torchtitan, no activation checkpointing when every stage fits without it, else full
@@ -721,7 +722,9 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
     axis = pl.axis if pl is not None else pipeline_axis(mesh, options)
     axis = 0 if axis is None else axis
     pp = mesh.shape[axis]
-    micro = pl.microbatches if pl is not None else (options.microbatches or pp)
+    # without the plan's: torchtitan's default of one sequence per microbatch, as far as the search's counts go
+    micro = pl.microbatches if pl is not None else (options.microbatches or max(_microbatch_counts(pp, batch, options),
+                                                                                default=pp))
     name = f"{RECIPE} (1F1B, even split over {mesh.axis_names[axis]}, {micro} microbatches)"
     if pp < 2 or pp > num_layers or batch % micro or micro < pp:
         return Row(name, None, f"{pp} stages over {num_layers} layers with {micro} microbatches of a batch of "
