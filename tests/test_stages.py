@@ -158,3 +158,44 @@ def test_the_recipe_checkpoints_every_layer_only_when_a_stage_would_not_fit():
     assert recipe.estimate.peak_memory_bytes <= peak * 0.7 < peak
     assert recipe.estimate.step_time_s > roomy.rows[1].plan.estimate.step_time_s  # the recomputation
     assert tight.plan.estimate.peak_memory_bytes <= peak * 0.7
+
+
+def test_microbatch_counts_are_tried_from_the_largest_down(monkeypatch):
+    seen = []
+    real = stages._search_at
+
+    def spy(*args, **kw):
+        seen.append(args[9])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(stages, "_search_at", spy)
+    p = plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), schedule="1F1B")
+    assert seen[0] == 8 and seen == sorted(seen, reverse=True)  # 2 · {1, 2, 4} divide the batch of 8
+    assert p.pipeline.microbatches in seen
+
+
+def test_one_prepare_serves_every_budget():
+    """The stage search solves one capture under several budgets on one prepared planner: the
+    same plans as preparing afresh, a previous budget's memory rows dropped."""
+    from dataclasses import replace
+
+    from autoparallel.api import _stage_capture
+    from autoparallel.options import PlanOptions
+    from autoparallel.pipeline_plan import submesh
+    from autoparallel.solver.pipeline import plan_traced, prepare
+
+    opts = PlanOptions.build(None, "plan", cache_dir=False)
+    traced, _ = _stage_capture(llama(), batch(8, 64), opts, "model.layers", 4)
+    sub = submesh(MeshSpec((2, 2), ("pp", "dp")), 0)
+    base = replace(opts, pipeline="off", memory_budget="unlimited")
+    prepared = prepare(traced, sub, base)
+    free = plan_traced(traced, sub, base, prepared=prepared)
+    tight = int(free.estimate.peak_memory_bytes * 0.8)
+    for budget in (tight, "unlimited", tight):
+        o = replace(base, memory_budget=budget)
+        shared, fresh = plan_traced(traced, sub, o, prepared=prepared), plan_traced(traced, sub, o)
+        assert shared.estimate.step_time_s == pytest.approx(fresh.estimate.step_time_s)
+        assert shared.estimate.peak_memory_bytes == fresh.estimate.peak_memory_bytes
+    pieces = stages.aggregate(free, traced, "model.layers", 6, opts, memory=prepared.planner.memory)
+    again = stages.aggregate(free, traced, "model.layers", 6, opts)
+    assert all((getattr(pieces, f) == getattr(again, f)).all() for f in pieces.__dataclass_fields__)
