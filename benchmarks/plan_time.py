@@ -178,10 +178,12 @@ def memory_lines(plan) -> str:
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m.breakdown.items() if v)
     budget = plan.estimate.memory_budget_bytes
     ck = plan.checkpoint
+    # a pipelined plan's peak is its largest stage's; the breakdown is its intra-stage plan's, all layers, one microbatch
+    whole = ", of the intra-stage plan over every layer for one microbatch" if plan.pipeline is not None else ""
     return (f"  memory: modelled peak {plan.estimate.peak_memory_bytes / gib:.2f} GiB per device, budget "
             f"{'none' if budget is None else format(budget / gib, '.1f') + ' GiB'} "
             f"({'recomputing ' + str(len(ck.regions)) + ' regions' if ck else 'no recomputation'}; at the peak "
-            f"without it, in the {m.phase}: {parts} GiB)\n"
+            f"without it, in the {m.phase}{whole}: {parts} GiB)\n"
             f"  parallelism: parameters split along mesh axes "
             f"{', '.join(f'{a}: {f:.0%}' for a, f in enumerate(split_per_axis(plan)))}; "
             f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
