@@ -169,7 +169,14 @@ def pipeline_line(plan) -> str:
     return (f"over {pl.mesh.axis_names[pl.axis]} ({pl.pp}), boundaries {list(pl.boundaries)}, "
             f"{pl.microbatches} microbatches, {pl.schedule}, bubble {pl.bubble:.0%}, step {pl.step_s:.2f} s, "
             f"stage peaks up to {max(pl.stage_peak_bytes) / 2**30:.1f} GiB, "
-            f"{'recomputing ' + str(len(ck.regions)) + ' regions' if ck else 'no recomputation'}")
+            f"{recomputing(ck)}")
+
+
+def recomputing(ck) -> str:
+    if ck is None:
+        return "no recomputation"
+    policies = sorted({row.policy for row in ck.table})
+    return f"recomputing {len(ck.regions)} regions ({', '.join(policies)})"
 
 
 def memory_lines(plan) -> str:
