@@ -199,3 +199,21 @@ def test_one_prepare_serves_every_budget():
     pieces = stages.aggregate(free, traced, "model.layers", 6, opts, memory=prepared.planner.memory)
     again = stages.aggregate(free, traced, "model.layers", 6, opts)
     assert all((getattr(pieces, f) == getattr(again, f)).all() for f in pieces.__dataclass_fields__)
+
+
+def test_stage_sums_and_peaks_from_prefix_sums_match_the_pieces():
+    """The DP prices a stage in O(1) (prefix sums, a range-maximum table): the same numbers as
+    summing its pieces."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for L in (6, 13):
+        r = lambda: rng.random(L + 2)  # noqa: E731
+        pc = stages.Pieces(r(), r(), r(), r(), 10 * r(), r(), 3 * r(), 1e6 * r(), 1e6 * r())
+        priced = stages._Priced(pc, 1e-5, 1e-9)
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                ks = pc.stage(a, b)
+                want = sum(pc.state[k] for k in ks) + 2.5 * sum(pc.saved[k] for k in ks) + max(pc.transient[k] for k in ks)
+                assert priced.stage_peak(a, b, 2.5) == pytest.approx(want)
+                assert priced.sum(pc.micro_s, a, b) == pytest.approx(sum(pc.micro_s[k] for k in ks))

@@ -14,7 +14,7 @@ stage:
    smallest bubble first) and an axis stops at the first count that (a) has no fitting
    pipeline, or cannot beat the best candidate so far (below): fewer microbatches hold as many
    activations in flight or more (1F1B: ``min(p, M)`` microbatches of ``batch / M`` each;
-   GPipe: the whole batch), so they fit no better; or (b) is slower than the next larger count:
+   GPipe: the whole batch), so they fit no better; or (b) is no faster than the next larger count:
    a heuristic (the step is taken to be unimodal in ``M``: the bubble shrinks as ``M`` grows
    and the per-microbatch work grows, its fixed costs, weight gathers and latencies, repeated
    ``M`` times);
@@ -371,9 +371,29 @@ class _Priced:
         self.p = pieces
         self.L = pieces.layers
         self.alpha, self.beta = alpha, beta
+        # a stage's pieces are contiguous (pre, its layers, post): sums from prefix sums, the
+        # largest transient from a table of range maxima; O(1) per stage in the DP
+        self._cum: dict[int, np.ndarray] = {}
+        t = np.asarray(pieces.transient, dtype=float)
+        self._tmax = np.zeros((len(t), len(t)))
+        for lo in range(len(t)):
+            self._tmax[lo, lo:] = np.maximum.accumulate(t[lo:])
+        self._state, self._saved = self._prefix(pieces.state), self._prefix(pieces.saved)
+
+    def _span(self, a: int, b: int) -> tuple[int, int]:
+        """The first and last piece of the stage running layers ``[a, b)`` (:meth:`Pieces.stage`)."""
+        return (0 if a == 0 else a + 1), (self.L + 1 if b == self.L else b)
+
+    def _prefix(self, arr) -> np.ndarray:
+        c = self._cum.get(id(arr))
+        if c is None:
+            c = self._cum[id(arr)] = np.concatenate(([0.0], np.cumsum(np.asarray(arr, dtype=float))))
+        return c
 
     def sum(self, arr, a, b) -> float:
-        return float(sum(arr[k] for k in self.p.stage(a, b)))
+        lo, hi = self._span(a, b)
+        c = self._prefix(arr)
+        return float(c[hi + 1] - c[lo])
 
     def p2p(self, b: int) -> float:
         if b <= 0 or b >= self.L:
@@ -383,9 +403,9 @@ class _Priced:
                                                          if c.cross_grad[b] else 0.0)
 
     def stage_peak(self, a: int, b: int, flight: float) -> float:
-        ks = self.p.stage(a, b)
-        return (sum(self.p.state[k] for k in ks) + flight * sum(self.p.saved[k] for k in ks)
-                + max(self.p.transient[k] for k in ks))
+        lo, hi = self._span(a, b)
+        return float(self._state[hi + 1] - self._state[lo] + flight * (self._saved[hi + 1] - self._saved[lo])
+                     + self._tmax[lo, hi])
 
     def boundaries(self, stages: int, fits: Callable[[int, int, int], bool]) -> tuple[int, ...] | None:
         """The cut points of ``stages`` stages minimizing the slowest stage's per-microbatch
