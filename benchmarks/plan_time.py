@@ -12,6 +12,15 @@ Rows (targets on a 2-core machine):
   vocab 32000, batch 64 × 4096, 8×8 mesh — < 60 s
 * DeepSeek-V3 dims: 61 layers (the first 3 dense), hidden 7168, MLA, 256 routed experts + 1
   shared, top-8, vocab 129280, batch 512 × 4096, 64×8 mesh — < 120 s
+* Pipeline stages (issue 28), batch 128 × 8192 (one sequence per data-parallel rank) on 16 nodes of
+  8 H100s (a 16×8 mesh whose first axis crosses nodes at 400 Gb/s per GPU, the second NVLink):
+  ``llama3-70b-pp`` (Llama-3-70B) and ``llama3-405b-pp`` (126 layers × 16384, 128/8 heads, MLP
+  53248) with the cross-node axis named ``"pp"`` — < 60 s each; ``-pp-auto`` the same on unnamed
+  axes under ``pipeline="auto"`` (stages over either axis, or none) — < 120 s. Each prints the
+  hand-written PP × FSDP × TP recipe beside the plan (``compare()``: torchtitan's even split,
+  1F1B, the plan's microbatches, per-layer activation checkpointing when it does not fit
+  otherwise), the step ratio (target ≤ 1.0×) and whether both fit 80 GiB; the recipe's seconds
+  are not counted in the plan time.
 
 The Llama, Mixtral and DeepSeek rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 master weights and
@@ -21,7 +30,8 @@ modelled peak and its breakdown, the fraction of parameter elements split along 
 and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
 
     python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-8b-3d,mixtral-8x7b,
-                                           deepseek-v3]
+                                           deepseek-v3,llama3-70b-pp,llama3-405b-pp,llama3-70b-pp-auto,
+                                           llama3-405b-pp-auto]
         [--solver cbc|highs] [--budget 40GiB]   # another budget for the LLM rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
@@ -83,6 +93,8 @@ def llama3_405b():
 
 # 16 nodes of 8 H100s: the first axis crosses nodes (400 Gb/s per GPU, 50 GB/s), the second NVLink
 NODES_16x8 = autoparallel.MeshSpec((16, 8), ("dp", "tp"), alpha=(2e-5, 5e-6), beta=(1 / 50e9, 1 / 360e9))
+# the same with the cross-node axis named "pp": pipeline stages forced on it
+NODES_16x8_PP = autoparallel.MeshSpec((16, 8), ("pp", "tp"), alpha=(2e-5, 5e-6), beta=(1 / 50e9, 1 / 360e9))
 
 
 def deepseek_v3():
@@ -97,9 +109,13 @@ ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 polic
     "llama3-8b-3d": (llama3_8b, (64, 2048), (4, 4, 4), 30.0, True),
     "mixtral-8x7b": (mixtral_8x7b, (64, 4096), (8, 8), 60.0, True),
     "deepseek-v3": (deepseek_v3, (512, 4096), (64, 8), 120.0, True),
-    # pipeline="auto" (issue 28): one 8192-token sequence per device, the search may cut stages over either axis
-    "llama3-70b-pp": (llama3_70b, (128, 8192), NODES_16x8, 60.0, True),
-    "llama3-405b-pp": (llama3_405b, (128, 8192), NODES_16x8, 60.0, True),
+    # issue 28: one 8192-token sequence per data-parallel rank; "-pp": stages on the cross-node axis named "pp";
+    # "-pp-auto": pipeline="auto" on unnamed axes (stages over either axis, or none); each priced against the
+    # hand-written PP x FSDP x TP recipe (compare())
+    "llama3-70b-pp": (llama3_70b, (128, 8192), NODES_16x8_PP, 60.0, True),
+    "llama3-405b-pp": (llama3_405b, (128, 8192), NODES_16x8_PP, 60.0, True),
+    "llama3-70b-pp-auto": (llama3_70b, (128, 8192), NODES_16x8, 120.0, True),
+    "llama3-405b-pp-auto": (llama3_405b, (128, 8192), NODES_16x8, 120.0, True),
 }
 
 
@@ -113,14 +129,19 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
         kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     t0, cpu0 = time.perf_counter(), _cpu_s()
-    if isinstance(mesh, autoparallel.MeshSpec):
-        kw.update(mesh_spec=mesh, pipeline="auto")
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    common = dict(solver=solver, share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp, **kw)
+    recipe = None
+    if isinstance(mesh, autoparallel.MeshSpec):  # a pipelined row: the plan and the PP x FSDP x TP recipe
+        auto = {} if "pp" in mesh.axis_names else {"pipeline": "auto"}
+        cmp = autoparallel.compare(model, inputs, mesh_spec=mesh, **auto, **common)
+        plan, recipe = cmp.plan, cmp.rows[1]
     else:
-        kw["mesh_shape"] = mesh
-    plan = autoparallel.plan(model, {"input_ids": ids, "labels": ids.clone()}, solver=solver,
-                             share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp,
-                             baselines=baselines, **kw)
-    return plan, time.perf_counter() - t0, _cpu_s() - cpu0, target, model, (b, s), mesh
+        plan = autoparallel.plan(model, inputs, mesh_shape=mesh, baselines=baselines, **common)
+    total = time.perf_counter() - t0
+    if recipe is not None and recipe.plan is not None:  # the recipe's own seconds are not the plan's
+        total -= recipe.plan.solver_stats.stage_s.get("recipe", 0.0)
+    return plan, total, _cpu_s() - cpu0, target, model, (b, s), mesh, recipe
 
 
 def _cpu_s() -> float:
@@ -142,16 +163,34 @@ def split_per_axis(plan) -> list[float]:
     return [x / max(total, 1) for x in split]
 
 
+def pipeline_line(plan) -> str:
+    pl = plan.pipeline
+    ck = plan.checkpoint
+    return (f"over {pl.mesh.axis_names[pl.axis]} ({pl.pp}), boundaries {list(pl.boundaries)}, "
+            f"{pl.microbatches} microbatches, {pl.schedule}, bubble {pl.bubble:.0%}, step {pl.step_s:.2f} s, "
+            f"stage peaks up to {max(pl.stage_peak_bytes) / 2**30:.1f} GiB, "
+            f"{recomputing(ck)}")
+
+
+def recomputing(ck) -> str:
+    if ck is None:
+        return "no recomputation"
+    policies = sorted({row.policy for row in ck.table})
+    return f"recomputing {len(ck.regions)} regions ({', '.join(policies)})"
+
+
 def memory_lines(plan) -> str:
     gib = 2 ** 30
     m = plan.estimate.memory
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m.breakdown.items() if v)
     budget = plan.estimate.memory_budget_bytes
     ck = plan.checkpoint
+    # a pipelined plan's peak is its largest stage's; the breakdown is its intra-stage plan's, all layers, one microbatch
+    whole = ", of the intra-stage plan over every layer for one microbatch" if plan.pipeline is not None else ""
     return (f"  memory: modelled peak {plan.estimate.peak_memory_bytes / gib:.2f} GiB per device, budget "
             f"{'none' if budget is None else format(budget / gib, '.1f') + ' GiB'} "
             f"({'recomputing ' + str(len(ck.regions)) + ' regions' if ck else 'no recomputation'}; at the peak "
-            f"without it, in the {m.phase}: {parts} GiB)\n"
+            f"without it, in the {m.phase}{whole}: {parts} GiB)\n"
             f"  parallelism: parameters split along mesh axes "
             f"{', '.join(f'{a}: {f:.0%}' for a, f in enumerate(split_per_axis(plan)))}; "
             f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
@@ -172,18 +211,30 @@ def main():
     totals = {}
     for name in args.rows.split(","):
         for share in ([True, False] if args.no_share else [True]):
-            plan, total, cpu_s, target, model, (b, s), mesh = run(name, args.solver, share, not args.no_stamp,
-                                                                    args.budget, args.baselines)
+            plan, total, cpu_s, target, model, (b, s), mesh, recipe = run(name, args.solver, share, not args.no_stamp,
+                                                                            args.budget, args.baselines)
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
             shape = mesh.shape if isinstance(mesh, autoparallel.MeshSpec) else mesh
-            print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, shape))}{tag}")
+            names = f" ({', '.join(mesh.axis_names)})" if isinstance(mesh, autoparallel.MeshSpec) else ""
+            print(f"{name}: {nparams:.2f} B parameters, batch {b} x {s}, mesh {'x'.join(map(str, shape))}{names}{tag}")
             pl = plan.pipeline
             if pl is not None:
-                print(f"  pipeline: over {pl.mesh.axis_names[pl.axis]} ({pl.pp}), boundaries {list(pl.boundaries)}, "
-                      f"{pl.microbatches} microbatches, {pl.schedule}, bubble {pl.bubble:.0%}, step {pl.step_s:.2f} s, "
-                      f"stage peaks up to {max(pl.stage_peak_bytes) / 2**30:.1f} GiB")
+                print(f"  pipeline: {pipeline_line(plan)}")
+            elif isinstance(mesh, autoparallel.MeshSpec):
+                print(f"  pipeline: none (the plan without stages: step {plan.estimate.step_time_s:.2f} s, peak "
+                      f"{plan.estimate.peak_memory_bytes / 2**30:.1f} GiB)")
+            if recipe is not None:
+                if recipe.plan is None:
+                    print(f"  recipe {recipe.name}: {recipe.reason}")
+                else:
+                    r = plan.estimate.step_time_s / recipe.plan.estimate.step_time_s
+                    print(f"  recipe {recipe.name}, {'; '.join(recipe.notes)}: {pipeline_line(recipe.plan)} "
+                          f"(priced in {recipe.plan.solver_stats.stage_s.get('recipe', 0.0):.1f} s, not counted below)\n"
+                          f"  plan / recipe step: {r:.2f}x (target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'}); "
+                          f"fits 80 GiB: plan {'OK' if plan.estimate.peak_memory_bytes <= 80 * 2**30 else 'MISSED'}, "
+                          f"recipe {'OK' if recipe.plan.estimate.peak_memory_bytes <= 80 * 2**30 else 'MISSED'}")
             stage = st.stage_s
             parts = {"trace": stage.get("trace", 0.0), "strategies": stage.get("strategies", 0.0), "memory model": stage.get("memory", 0.0),
                      "costs": stage.get("costs", 0.0), "ILP": stage.get("stage1", 0.0), "remat": stage.get("remat", 0.0),

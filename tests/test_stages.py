@@ -122,3 +122,98 @@ def test_compare_prices_the_3d_recipe_by_the_same_model():
     recipe = c.rows[1].plan
     assert recipe.pipeline.schedule == "1F1B" and recipe.pipeline.boundaries == (0, 3, 6)
     assert c.plan.estimate.step_time_s <= recipe.estimate.step_time_s
+
+
+def test_a_profile_of_the_whole_mesh_prices_the_stage_on_its_submesh():
+    """A cost model profiled on the whole (pp, dp) mesh: the stage solve runs on dp alone and
+    binds the profile's submesh (CostModel.bind used to raise on the shape)."""
+    from autoparallel.solver.costs import COLLECTIVES, CollectiveTable, CommProfile, CostModel, DevicePreset
+
+    sizes = [4096 * 2**i for i in range(8)]
+    tables = {(a, k): CollectiveTable.fit(sizes, [2e-5 + 1e-10 * (1 + a) * b for b in sizes])
+              for a in range(2) for k in COLLECTIVES}
+    identity = {"backend": "gloo", "device_type": "cpu", "device_name": "test cpu", "world_size": 4,
+                "mesh_shape": [2, 2], "hosts": ["a", "a", "b", "b"], "torch": torch.__version__}
+    profile = CommProfile(identity, ("pp", "dp"), tables, DevicePreset("test", 5e10, 2e10, 1e10, 2**30))
+    sub = profile.submesh(0)
+    assert sub.mesh_shape == (2,) and sub.axis_names == ("dp",) and sub.identity["hosts"] == ["a", "a"]
+    assert set(sub.tables) == {(0, k) for k in COLLECTIVES} and sub.tables[(0, "all_reduce")] is tables[(1, "all_reduce")]
+    cm = CostModel.from_profile(profile)
+    p = plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), microbatches=4, schedule="1F1B", cost_model=cm)
+    assert p.pipeline.pp == 2 and p.mesh.shape == (2,) and cm.profile is profile
+
+
+def test_the_recipe_checkpoints_every_layer_only_when_a_stage_would_not_fit():
+    """torchtitan's recipe: no activation checkpointing when its even split fits, else every
+    layer checkpointed, which the pieces price as keeping each layer's input only."""
+    mesh = MeshSpec((2, 2), ("pp", "tp"))
+    roomy = autoparallel.compare(llama(), batch(16, 256), mesh_spec=mesh, cache_dir=False, microbatches=4)
+    assert "no activation checkpointing" in " ".join(roomy.rows[1].notes)
+    peak = roomy.rows[1].plan.estimate.peak_memory_bytes
+    tight = autoparallel.compare(llama(), batch(16, 256), mesh_spec=mesh, cache_dir=False, microbatches=4,
+                                 memory_budget=int(peak * 0.7))
+    recipe = tight.rows[1].plan
+    assert "full activation checkpointing" in " ".join(tight.rows[1].notes)
+    assert recipe.checkpoint is not None and len(recipe.checkpoint.regions) >= 6  # one per layer at least
+    assert recipe.estimate.peak_memory_bytes <= peak * 0.7 < peak
+    assert recipe.estimate.step_time_s > roomy.rows[1].plan.estimate.step_time_s  # the recomputation
+    assert tight.plan.estimate.peak_memory_bytes <= peak * 0.7
+
+
+def test_microbatch_counts_are_tried_from_the_largest_down(monkeypatch):
+    seen = []
+    real = stages._search_at
+
+    def spy(*args, **kw):
+        seen.append(args[9])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(stages, "_search_at", spy)
+    p = plan(gpt2(), batch(), MeshSpec((2, 2), ("pp", "dp")), schedule="1F1B")
+    assert seen[0] == 8 and seen == sorted(seen, reverse=True)  # 2 · {1, 2, 4} divide the batch of 8
+    assert p.pipeline.microbatches in seen
+
+
+def test_one_prepare_serves_every_budget():
+    """The stage search solves one capture under several budgets on one prepared planner: the
+    same plans as preparing afresh, a previous budget's memory rows dropped."""
+    from dataclasses import replace
+
+    from autoparallel.api import _stage_capture
+    from autoparallel.options import PlanOptions
+    from autoparallel.pipeline_plan import submesh
+    from autoparallel.solver.pipeline import plan_traced, prepare
+
+    opts = PlanOptions.build(None, "plan", cache_dir=False)
+    traced, _ = _stage_capture(llama(), batch(8, 64), opts, "model.layers", 4)
+    sub = submesh(MeshSpec((2, 2), ("pp", "dp")), 0)
+    base = replace(opts, pipeline="off", memory_budget="unlimited")
+    prepared = prepare(traced, sub, base)
+    free = plan_traced(traced, sub, base, prepared=prepared)
+    tight = int(free.estimate.peak_memory_bytes * 0.8)
+    for budget in (tight, "unlimited", tight):
+        o = replace(base, memory_budget=budget)
+        shared, fresh = plan_traced(traced, sub, o, prepared=prepared), plan_traced(traced, sub, o)
+        assert shared.estimate.step_time_s == pytest.approx(fresh.estimate.step_time_s)
+        assert shared.estimate.peak_memory_bytes == fresh.estimate.peak_memory_bytes
+    pieces = stages.aggregate(free, traced, "model.layers", 6, opts, memory=prepared.planner.memory)
+    again = stages.aggregate(free, traced, "model.layers", 6, opts)
+    assert all((getattr(pieces, f) == getattr(again, f)).all() for f in pieces.__dataclass_fields__)
+
+
+def test_stage_sums_and_peaks_from_prefix_sums_match_the_pieces():
+    """The DP prices a stage in O(1) (prefix sums, a range-maximum table): the same numbers as
+    summing its pieces."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for L in (6, 13):
+        r = lambda: rng.random(L + 2)  # noqa: E731
+        pc = stages.Pieces(r(), r(), r(), r(), 10 * r(), r(), 3 * r(), 1e6 * r(), 1e6 * r())
+        priced = stages._Priced(pc, 1e-5, 1e-9)
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                ks = pc.stage(a, b)
+                want = sum(pc.state[k] for k in ks) + 2.5 * sum(pc.saved[k] for k in ks) + max(pc.transient[k] for k in ks)
+                assert priced.stage_peak(a, b, 2.5) == pytest.approx(want)
+                assert priced.sum(pc.micro_s, a, b) == pytest.approx(sum(pc.micro_s[k] for k in ks))

@@ -42,6 +42,7 @@ Formulas:
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import json
 import math
@@ -459,6 +460,39 @@ class CommProfile:
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.identity["mesh_shape"])
 
+    def submesh(self, axis: int) -> "CommProfile":
+        """The profile of the mesh less mesh axis ``axis`` (one pipeline stage's devices:
+        :func:`~autoparallel.pipeline_plan.submesh`): the other axes' tables, renumbered; the
+        world's all-reduce is left out (it was measured over every device, the stage's group is
+        smaller, and the formula over the kept axes' links prices it); the identity's mesh
+        shape, world size and hosts (those of the stage at index 0 along ``axis``) the
+        submesh's. A mesh of that axis alone leaves one device, ``(1,)`` named ``"stage"``.
+
+        Raises:
+            ValueError: ``axis`` not an axis of the profiled mesh.
+        """
+        shape = self.mesh_shape
+        if not (_is_int(axis) and 0 <= axis < len(shape)):
+            raise ValueError(f"profile: no mesh axis {axis!r} in a mesh {shape}")
+        keep = [a for a in range(len(shape)) if a != axis]
+        renumber = {a: i for i, a in enumerate(keep)}
+        tables = {(renumber[a], kind): t for (a, kind), t in self.tables.items() if a is not None and a != axis}
+        sub_shape = [shape[a] for a in keep] or [1]
+        names = tuple(self.axis_names[a] for a in keep) or ("stage",)
+        identity = dict(self.identity, mesh_shape=sub_shape, world_size=math.prod(sub_shape))
+        hosts = self.identity.get("hosts")
+        if isinstance(hosts, list) and len(hosts) == math.prod(shape):
+            kept = []
+            for rank, host in enumerate(hosts):  # mesh order: row-major over the shape
+                r, coord = rank, []
+                for n in reversed(shape):
+                    coord.append(r % n)
+                    r //= n
+                if coord[::-1][axis] == 0:
+                    kept.append(host)
+            identity["hosts"] = kept
+        return CommProfile(identity, names, tables, self.device, self.profile_s)
+
     def mesh_spec(self, axis_names=None) -> MeshSpec:
         """A :class:`MeshSpec` of the profiled mesh whose per-axis alpha and beta are the link's:
         the all-reduce line's ``α`` and its ``β`` divided by the ring factor ``2(n−1)/n``
@@ -638,6 +672,20 @@ class CostModel:
         """
         profile = source if isinstance(source, CommProfile) else CommProfile.load(source)
         return cls(profile.device if device is None else device, profile=profile)
+
+    def submesh(self, axis: int) -> "CostModel":
+        """This cost model for the mesh less mesh axis ``axis`` (a pipeline stage's devices): a
+        copy whose profile, if any, is :meth:`CommProfile.submesh`; ``self`` without a profile.
+
+        Raises:
+            ValueError: as :meth:`CommProfile.submesh`.
+        """
+        if self.profile is None:
+            return self
+        other = copy.copy(self)
+        other.profile = self.profile.submesh(axis)
+        other.mesh = None
+        return other
 
     def bind(self, mesh: MeshSpec) -> "CostModel":
         """Bind the mesh to price.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -38,7 +38,7 @@ log = logging.getLogger("autoparallel")
 
 @progress.planning
 def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[str, Spec] | None = None,
-                rows: list | None = None) -> Plan:
+                rows: list | None = None, prepared: "Prepared | None" = None) -> Plan:
     """The plan of ``traced`` (a :class:`~autoparallel.tracer.capture.TracedModel`, captured
     under ``options.mp_policy``) on ``mesh``.
 
@@ -49,6 +49,9 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
         rows: when a list, every recipe is planned (none skipped by its lower bound) and its
             :class:`~autoparallel.recipes.Row` appended (:func:`autoparallel.compare`); the
             plan cache is then neither read nor written.
+        prepared: :func:`prepare` of the same ``traced``, ``mesh``, ``pinned`` and ``options``
+            but for the memory budget: its strategies, memory model and built problem are
+            reused (the pipeline stage search solves one capture under two budgets).
 
     Raises:
         AutoParallelError: a pinned parameter or buffer missing or without such a strategy;
@@ -56,15 +59,61 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
             :func:`autoparallel.plan` lists them.
     """
     cost_model = options.cost_model or CostModel()
-    user_pins = resolve_constraints(options.constraints, traced, mesh) if options.constraints else []
     budget = resolve_budget(options.memory_budget, lambda: preset_capacity(cost_model.device))
     baselines = (options.baselines or rows is not None) and pinned is None
     folder = cache.cache_path(options.cache_dir) if rows is None else None
-    key = cache.plan_key(traced, mesh, cost_model, _cache_options(options, budget, pinned, user_pins)) \
-        if folder is not None else ""
+    if folder is not None:
+        user_pins = resolve_constraints(options.constraints, traced, mesh) if options.constraints else []
+        key = cache.plan_key(traced, mesh, cost_model, _cache_options(options, budget, pinned, user_pins))
+    else:
+        key = ""
     hit = _cached(folder, key, traced, mesh, pinned)
     if hit is not None:
         return hit
+    prepared = prepared or prepare(traced, mesh, options, pinned=pinned)
+    planner, user_pins = prepared.planner, prepared.user_pins
+    progress.stage("costs and ILP solve")
+    plan = _solve(planner, options, budget, prepared)
+    plan.estimate = replace(plan.estimate, costs=cost_model.describe())
+    st = plan.solver_stats
+    log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %s",
+             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"],
+             units.seconds(plan.estimate.step_time_s))
+    st.stage_s.update(strategies=prepared.strategies_s, memory=prepared.memory_s)
+    st.stamped_layers = traced.stamped_layers
+    st.cache = "miss" if folder is not None else "off"
+    plan.inspection.fallback_ops = sorted(prepared.fallbacks)
+    plan.mp_policy = options.mp_policy
+    plan.inputs = options.inputs
+    if user_pins:
+        plan.inspection.placement_constraints = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
+    if baselines:
+        _price_recipes(plan, traced, mesh, options, planner, prepared.unconstrained, budget, rows)
+    cache.store(folder, key, plan)
+    return plan
+
+
+@dataclass
+class Prepared:
+    """What :func:`plan_traced` builds before it solves, reusable across memory budgets: the
+    narrowed strategies' :class:`Planner` (with the memory model), the strategies before
+    narrowing (what the recipes narrow), the fallback ops, the resolved constraints, the
+    seconds each part took, and the built problem once a solve built it."""
+
+    planner: Planner
+    unconstrained: dict
+    fallbacks: set
+    user_pins: list
+    strategies_s: float
+    memory_s: float
+    built: object = None
+
+
+def prepare(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[str, Spec] | None = None) -> Prepared:
+    """The strategies of ``traced`` on ``mesh`` narrowed by ``options`` and ``pinned``, and
+    their planner (:class:`Prepared`); nothing here depends on ``options.memory_budget``."""
+    cost_model = options.cost_model or CostModel()
+    user_pins = resolve_constraints(options.constraints, traced, mesh) if options.constraints else []
     t0 = time.perf_counter()
     progress.stage("strategies")
     gen = StrategyGenerator(mesh.shape, strict=options.strict)
@@ -75,26 +124,7 @@ def plan_traced(traced, mesh: MeshSpec, options: PlanOptions, *, pinned: dict[st
              sum(len(v) for v in strategies.values()), t1 - t0)
     progress.stage("memory model")
     planner = _planner(traced, mesh, options, cost_model, strategies, gen.aliases)
-    t_memory = time.perf_counter() - t1
-    progress.stage("costs and ILP solve")
-    plan = _solve(planner, options, budget)
-    plan.estimate = replace(plan.estimate, costs=cost_model.describe())
-    st = plan.solver_stats
-    log.info("ILP: %d node vars, %d edge vars, solved by %s in %.2f s (costs %.2f s); estimated step %s",
-             st.binary_vars, st.edge_vars, st.solver, st.solve_s, st.stage_s["costs"],
-             units.seconds(plan.estimate.step_time_s))
-    st.stage_s.update(strategies=t1 - t0, memory=t_memory)
-    st.stamped_layers = traced.stamped_layers
-    st.cache = "miss" if folder is not None else "off"
-    plan.inspection.fallback_ops = sorted(gen.fallbacks)
-    plan.mp_policy = options.mp_policy
-    plan.inputs = options.inputs
-    if user_pins:
-        plan.inspection.placement_constraints = {p.pattern: p.text(mesh.axis_names) for p in user_pins}
-    if baselines:
-        _price_recipes(plan, traced, mesh, options, planner, unconstrained, budget, rows)
-    cache.store(folder, key, plan)
-    return plan
+    return Prepared(planner, unconstrained, set(gen.fallbacks), user_pins, t1 - t0, time.perf_counter() - t1)
 
 
 def _cache_options(options: PlanOptions, budget, pinned, user_pins) -> dict:
@@ -123,7 +153,7 @@ def _cached(folder, key: str, traced, mesh: MeshSpec, pinned) -> Plan | None:
     return hit
 
 
-def _solve(planner: Planner, options: PlanOptions, budget: int | None) -> Plan:
+def _solve(planner: Planner, options: PlanOptions, budget: int | None, prepared: Prepared | None = None) -> Plan:
     """The planner's plan within ``budget``. When the fastest plan does not fit (the plan had to
     shard more or recompute, or none fits) and ``options.offload``, the planner also prices
     parameters held in host memory (:mod:`autoparallel.strategies.offload`) and the faster of the
@@ -136,7 +166,16 @@ def _solve(planner: Planner, options: PlanOptions, budget: int | None) -> Plan:
     keywords = dict(solver=options.solver, time_limit=options.time_limit, memory_budget=budget,
                     checkpointing=options.checkpointing)
     try:
-        plan = planner.solve(**keywords)
+        if prepared is not None and prepared.planner is planner:  # the problem built once across budgets
+            t0 = time.perf_counter()
+            if prepared.built is None:
+                prepared.built = planner.build_problem()
+            prepared.built.ilp.memory_rows = []  # a previous budget's rows
+            t_build = time.perf_counter() - t0
+            plan = planner.solve(**keywords, built=prepared.built)
+            plan.solver_stats.stage_s["costs"] += t_build
+        else:
+            plan = planner.solve(**keywords)
     except errors.InfeasiblePlanError as e:
         if not options.offload or budget is None:
             raise

@@ -68,6 +68,12 @@ class Planner:
         self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}
         self.memory = memory
 
+    checkpoint_per_layer: bool = False
+    """Under ``checkpointing="full"`` or ``"selective"``, one region per repeated layer (as
+    torchtitan's per-block activation checkpointing; what its hand-written pipeline recipe
+    prices, :func:`~autoparallel.solver.stages.recipe_row`) instead of one per sub-layer
+    (:func:`~autoparallel.solver.remat.chain_stages`)."""
+
     def restricted(self, strategies) -> "Planner":
         """A planner of the same graph, cost model, memory model and options over
         ``strategies``: the same nodes, each with a subset of its strategies here (e.g. a copy
@@ -146,7 +152,7 @@ class Planner:
         t_stage1 = time.perf_counter() - t1
         checkpoint = plan = None
         pinned = checkpointing in ("full", "selective") and self.memory is not None
-        every_stages = chain_stages(self.memory.nodes) if pinned else {}
+        every_stages = chain_stages(self.memory.nodes, per_layer=self.checkpoint_per_layer) if pinned else {}
         if every_stages:
             found, plan, checkpoint = search.every_stage(every_stages, found, memory_budget,
                                                          lambda c: self.make_plan(c, built.edges), self._forward_s,

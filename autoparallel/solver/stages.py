@@ -7,17 +7,31 @@ specialised to a model of identical layers, with the intra-operator plan shared 
 stage:
 
 1. candidates: the pipeline axis (the one named ``"pp"``; under ``pipeline="auto"`` every
-   axis of two or more devices, and no pipeline at all), microbatch counts ``M`` (divisors of
-   the batch among ``pp, 2pp, 4pp, 8pp``, or the pinned one) and schedules (the pinned one,
-   else GPipe, 1F1B, and Interleaved1F1B with two stages per device where the layers allow);
-2. per (axis, ``M``): ONE intra-stage ILP solve of the model captured for one microbatch on
-   the submesh (the mesh less the axis). Every stage runs its layers with that plan's
+   axis of two or more devices, and no pipeline at all, solved first so that it bounds the
+   rest), microbatch counts ``M`` (divisors of the batch among ``pp, 2pp, 4pp, 8pp``, or the
+   pinned one) and schedules (the pinned one, else GPipe, 1F1B, and Interleaved1F1B with two
+   stages per device where the layers allow). Counts are tried from the largest down (the
+   smallest bubble first) and an axis stops at the first count that (a) has no fitting
+   pipeline, or cannot beat the best candidate so far (below): fewer microbatches hold as many
+   activations in flight or more (1F1B: ``min(p, M)`` microbatches of ``batch / M`` each;
+   GPipe: the whole batch), so they fit no better; or (b) is no faster than the next larger count:
+   a heuristic (the step is taken to be unimodal in ``M``: the bubble shrinks as ``M`` grows
+   and the per-microbatch work grows, its fixed costs, weight gathers and latencies, repeated
+   ``M`` times);
+2. per (axis, ``M``): the model captured for one microbatch (once per ``M``, shared by the
+   axes), its strategies on the submesh (the mesh less the axis) and their planner built once
+   (:func:`~autoparallel.solver.pipeline.prepare`), and at most a few ILP solves on it
+   (:func:`_search_at`): the fastest plan; the same with every layer checkpointed
+   (selectively, fully) when the fastest plan's split is slowed or blocked by memory; a
+   re-solve under a budget when neither fits. Every stage runs its layers with that plan's
    strategies, so the solve prices every layer range; its nodes are aggregated into
    *pieces* (:class:`Pieces`): ``pre`` (what runs before the first layer: embeddings),
    each layer, and ``post`` (final norm, head, loss): per-microbatch seconds (forward,
    backward, their communication and recomputation), per-step seconds (optimizer step and
    exposed gradient reduction), bytes held for the step (parameters, gradients, optimizer
-   states), bytes saved per microbatch (activations) and transient bytes;
+   states), bytes saved per microbatch (activations; a checkpoint region's inputs) and
+   transient bytes. A candidate whose fastest plan, split with no memory limit, is no faster
+   than the best so far is not checkpointed or re-solved (its steps can only be slower);
 3. per schedule: the boundaries by a dynamic program over cut points (the linear-partition
    DP, Alpa's §5.2 recurrence with one device group per stage): ``f[s][j]`` the smallest
    slowest-stage time of ``s`` stages over layers ``[0, j)``, each stage within the memory
@@ -64,8 +78,9 @@ from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 from .costs import CostModel
 from .memory import MemoryModel, preset_capacity, resolve_budget
-from .pipeline import plan_traced
+from .pipeline import plan_traced, prepare
 from .pricing import written_back_outputs
+from ..runtime_kernels.recompute import SAVED_TARGETS
 
 log = logging.getLogger("autoparallel")
 
@@ -173,12 +188,14 @@ def piece_of_nodes(gm, layers: str, num_layers: int) -> dict:
     return piece
 
 
-def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOptions) -> Pieces:
+def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOptions,
+              memory: MemoryModel | None = None) -> Pieces:
     """The pieces of the intra-stage plan ``inner`` of ``traced`` (:class:`Pieces`): its nodes'
     seconds (``NodePlan.compute_s``, ``comm_s``; a parameter's are its optimizer update and
     gradient reduction, once per step), the exposed fraction of the gradient reduction and the
     DTensor overhead of the estimate spread over the pieces by their parameters, the checkpoint
-    regions' recomputation, and the memory model's items under the plan's strategies."""
+    regions' recomputation, and the memory model's items under the plan's strategies (``memory``:
+    the planner's model of ``traced`` on the plan's mesh, else built here)."""
     gm = traced.gm
     piece = piece_of_nodes(gm, layers, num_layers)
     P = num_layers + 2
@@ -211,23 +228,18 @@ def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOp
     # latency terms of the gradient reduction, not in any node: spread as the parameters
     step += max(0.0, est.exposed_grad_comm_s - exposed * grad.sum()) * share
 
-    inside: dict[str, int] = {}  # node name → top-level checkpoint region
-    region_saved, region_piece = [], []
+    region_piece = []  # per top-level checkpoint region, the piece most of its nodes are in
     ck = inner.checkpoint
     if ck is not None:
-        for i, (reg, row) in enumerate(zip(ck.regions, ck.table)):
+        for reg, row in zip(ck.regions, ck.table):
             names = [nm for nm, st in ck.stages.items() if reg.start <= st < reg.stop]
-            for nm in names:
-                inside[nm] = i
             ks = [piece[by_name[nm]] for nm in names if nm in by_name]
             k = max(set(ks), key=ks.count) if ks else 0
             recompute[k] += row.recompute_s
-            region_saved.append(row.saved_bytes)
             region_piece.append(k)
     micro += recompute
 
-    state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, inside,
-                                                         region_saved, region_piece)
+    state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, region_piece, memory)
     return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad)
 
 
@@ -241,17 +253,36 @@ def _choice(inner: Plan, gm) -> dict:
     return out
 
 
-def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, region_saved, region_piece):
+def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_piece, model: MemoryModel | None = None):
+    """Per piece: state, saved and transient bytes, and per layer boundary the bytes crossing
+    it (:class:`Pieces`). Under the plan's checkpoint regions, as the chain model of
+    :func:`~autoparallel.solver.remat.build_chain` counts them: what an op of a region saves is
+    recomputed, not kept; a region keeps its inputs (the forward values made before its first
+    stage and read from it on; one read by several regions, such as an attention mask or the
+    rotary tables, counted once, at the first) and, run selectively, the outputs of its matmuls and attention
+    that do not leave it."""
     gm = traced.gm
     aliases = {n: (n.args[0], n.args[1]) for n in gm.graph.nodes
                if n.op == "call_function" and n.target is __import__("operator").getitem}
     shape = inner.mesh.shape
-    whole = written_back_outputs(gm, traced.buffer_mutations)
-    model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
-                        traced_on=traced.device, outputs=options.outputs, whole_outputs=whole)
+    if model is None:
+        whole = written_back_outputs(gm, traced.buffer_mutations)
+        model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
+                            traced_on=traced.device, outputs=options.outputs, whole_outputs=whole)
     choice = _choice(inner, gm)
     state, saved, dropped = np.zeros(P), np.zeros(P), np.zeros(P)
     live = np.zeros((P, model.steps + 1))
+    ck = inner.checkpoint
+    n_fwd = len(model.nodes)
+    if ck is not None:
+        stage_of = ck.stages
+        region_of = np.full(max(stage_of.values(), default=0) + 2, -1)
+        for i, reg in enumerate(ck.regions):
+            region_of[reg.start:reg.stop] = i
+        step_stage = np.array([stage_of.get(n.name, -1) for n in model.nodes] + [-1])
+        kept = np.zeros(len(ck.regions))
+        starts = np.array([reg.start for reg in ck.regions])
+        selective = [reg.selective for reg in ck.regions]
     for it in model.items:
         if it.owner not in choice or (it.param is not None and it.param not in choice):
             continue
@@ -262,15 +293,24 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, inside, re
         if it.kind in STATE_KINDS:
             state[k] += b
         elif it.kind in SAVED_KINDS and it.end > it.start:
-            if it.owner.name in inside:  # recomputed in the backward, not kept
+            st = step_stage[min(it.start, n_fwd)] if ck is not None else -1
+            if st >= 0 and region_of[st] >= 0:  # saved in a region: recomputed in the backward, not kept
                 dropped[k] += b
             else:
                 saved[k] += b
         else:
             live[k, it.start] += b
             live[k, it.end + 1] -= b
-    for k, b in zip(region_piece, region_saved):
-        saved[k] += b
+            if ck is not None and it.forward_value and it.owner.name in stage_of:
+                s0, s1 = stage_of[it.owner.name], step_stage[min(it.end, n_fwd - 1)]
+                entered = np.flatnonzero((starts > s0) & (starts <= s1))
+                if len(entered):  # an input of the regions starting after s0 up to s1: kept once, by the first
+                    kept[entered[0]] += b  # (one tensor however many regions read it, as a value saved by several ops)
+                elif region_of[s0] >= 0 and selective[region_of[s0]] and it.owner.target in SAVED_TARGETS:
+                    kept[region_of[s0]] += b
+    if ck is not None:
+        for k, b in zip(region_piece, kept):
+            saved[k] += b
     transient = np.cumsum(live, axis=1).max(axis=1) + dropped / np.maximum(1, _regions_per_piece(region_piece, P))
     # values produced in earlier pieces and read in later ones cross the boundaries between
     cross, cross_grad = np.zeros(P), np.zeros(P)
@@ -331,9 +371,29 @@ class _Priced:
         self.p = pieces
         self.L = pieces.layers
         self.alpha, self.beta = alpha, beta
+        # a stage's pieces are contiguous (pre, its layers, post): sums from prefix sums, the
+        # largest transient from a table of range maxima; O(1) per stage in the DP
+        self._cum: dict[int, np.ndarray] = {}
+        t = np.asarray(pieces.transient, dtype=float)
+        self._tmax = np.zeros((len(t), len(t)))
+        for lo in range(len(t)):
+            self._tmax[lo, lo:] = np.maximum.accumulate(t[lo:])
+        self._state, self._saved = self._prefix(pieces.state), self._prefix(pieces.saved)
+
+    def _span(self, a: int, b: int) -> tuple[int, int]:
+        """The first and last piece of the stage running layers ``[a, b)`` (:meth:`Pieces.stage`)."""
+        return (0 if a == 0 else a + 1), (self.L + 1 if b == self.L else b)
+
+    def _prefix(self, arr) -> np.ndarray:
+        c = self._cum.get(id(arr))
+        if c is None:
+            c = self._cum[id(arr)] = np.concatenate(([0.0], np.cumsum(np.asarray(arr, dtype=float))))
+        return c
 
     def sum(self, arr, a, b) -> float:
-        return float(sum(arr[k] for k in self.p.stage(a, b)))
+        lo, hi = self._span(a, b)
+        c = self._prefix(arr)
+        return float(c[hi + 1] - c[lo])
 
     def p2p(self, b: int) -> float:
         if b <= 0 or b >= self.L:
@@ -343,9 +403,9 @@ class _Priced:
                                                          if c.cross_grad[b] else 0.0)
 
     def stage_peak(self, a: int, b: int, flight: float) -> float:
-        ks = self.p.stage(a, b)
-        return (sum(self.p.state[k] for k in ks) + flight * sum(self.p.saved[k] for k in ks)
-                + max(self.p.transient[k] for k in ks))
+        lo, hi = self._span(a, b)
+        return float(self._state[hi + 1] - self._state[lo] + flight * (self._saved[hi + 1] - self._saved[lo])
+                     + self._tmax[lo, hi])
 
     def boundaries(self, stages: int, fits: Callable[[int, int, int], bool]) -> tuple[int, ...] | None:
         """The cut points of ``stages`` stages minimizing the slowest stage's per-microbatch
@@ -548,23 +608,26 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     for axis in axes:
         pp = mesh.shape[axis]
         sub = submesh(mesh, axis)
+        stage_options = _on_submesh(inner_options, axis)
         best_axis = None
-        for micro in _microbatch_counts(pp, batch, options):
+        for micro in sorted(_microbatch_counts(pp, batch, options), reverse=True):
             if micro < pp:
                 raise AutoParallelError(f"{micro} microbatches are fewer than the {pp} pipeline devices")
+            bound = min((c[0] for c in candidates), default=math.inf)
             traced = capture_at(micro)
-            cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers,
-                                   micro)
+            cand, low = _search_at(traced, mesh, sub, axis, options, stage_options, budget, layers, num_layers,
+                                   micro, bound=bound)
             lowest = min(lowest, low)
             if cand is None:
-                continue
+                log.info("pipeline over %s (%d), %d microbatches: none kept; fewer microbatches are not tried",
+                         mesh.axis_names[axis], pp, micro)
+                break  # fewer microbatches hold as many activations or more in flight: none fits either
             log.info("pipeline over %s (%d), %d microbatches: %s, step %s", mesh.axis_names[axis], pp, micro,
                      cand.pipeline.schedule, units.seconds(cand.pipeline.step_s))
-            if best_axis is not None and cand.pipeline.step_s >= best_axis.pipeline.step_s:
-                candidates.append((cand.pipeline.step_s, finish(cand, budget)))
-                break  # more microbatches stopped paying: the per-microbatch work no longer shrinks the bubble
-            best_axis = cand
             candidates.append((cand.pipeline.step_s, finish(cand, budget)))
+            if best_axis is not None and cand.pipeline.step_s >= best_axis.pipeline.step_s:
+                break  # fewer microbatches stopped paying: the bubble grows faster than the per-microbatch work shrinks
+            best_axis = cand
     if not candidates:
         raise InfeasiblePlanError(f"no pipeline fits the {units.nbytes(budget)} budget per device: the smallest "
                                   f"stage peak reached is {units.nbytes(lowest)}")
@@ -573,37 +636,88 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     return plan
 
 
+def _on_submesh(options: PlanOptions, axis: int) -> PlanOptions:
+    """``options`` for a stage's solve on the mesh less ``axis``: a cost model profiled on the
+    whole mesh priced by its profile of the submesh (:meth:`~.costs.CostModel.submesh`)."""
+    if options.cost_model is None or options.cost_model.profile is None:
+        return options
+    return replace(options, cost_model=options.cost_model.submesh(axis))
+
+
+LAYER_CHECKPOINTING = ("selective", "full")
+"""The per-layer activation checkpointing a stage's plan may take (:func:`_search_at`): each
+layer run selectively (its matmul and attention outputs kept), or each layer keeping only its
+input (torchtitan's selective and full activation checkpointing)."""
+
+
 def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro, *,
-               schedules=None, boundaries=None):
-    """The best pipeline at ``micro`` microbatches over ``axis``: the intra-stage plan solved
-    first without a budget (the fastest strategies); when no split of it fits, solved again
-    under the budget that leaves a stage its share: ``budget + state · (pp − 1) / pp`` (the
-    whole model's parameters, gradients and optimizer states of the previous solve, of which
-    a stage holds ``1/pp``; 1F1B's first stage holds about one microbatch of every layer's
-    activations), once."""
+               schedules=None, boundaries=None, bound=math.inf):
+    """The best pipeline at ``micro`` microbatches over ``axis`` and the smallest stage peak
+    seen. All solves share one :func:`~autoparallel.solver.pipeline.prepare` (strategies,
+    memory model, built problem) and the ILP's fastest plan:
+
+    1. the intra-stage plan without a budget (the fastest strategies), its split searched under
+       the budget;
+    2. under ``checkpointing="auto"``, the same strategies with every layer checkpointed
+       (:data:`LAYER_CHECKPOINTING`, each a solve without a budget and a split search), unless
+       step 1's split is already its fastest split without a memory limit (``free``): the same
+       strategies plus recomputation take no less per microbatch in any piece, so no split of
+       theirs beats ``free`` (exact). They let a split that memory unbalanced in step 1 even
+       out, or fit where step 1 does not;
+    3. only when neither fits, the plan solved again under the budget that leaves a stage its
+       share, ``budget + state · (pp − 1) / pp`` (the whole model's parameters, gradients and
+       optimizer states, of which a stage holds ``1/pp``), once. The memory search sizes its
+       recomputation for one pass of one microbatch (Rotor's nested schedule), which a stage
+       holding several microbatches in flight does not follow: hence step 2 first.
+
+    Steps 2 and 3 are skipped when ``free`` is no faster than ``bound`` (the best candidate so
+    far): a budget or recomputation only adds sharding or seconds to the fastest plan, so no
+    plan of theirs is taken to be faster (exact for step 2; for step 3 but for the ILP pricing
+    one microbatch's work and the step's once)."""
     pp = mesh.shape[axis]
     schedules = schedules or _schedules(pp, num_layers, micro, options)
-    inner_budget = "unlimited"
+    prepared = prepare(traced, sub, inner_options)
     low = math.inf
-    for _ in range(2):
+
+    def solve(inner_budget, checkpointing, per_layer=False):
+        nonlocal low
+        prepared.planner.checkpoint_per_layer = per_layer
         try:
-            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget))
+            inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget,
+                                                     checkpointing=checkpointing), prepared=prepared)
         except InfeasiblePlanError as e:
             log.info("intra-stage plan at %d microbatches: %s", micro, e)
-            return None, low
-        pieces = aggregate(inner, traced, layers, num_layers, options)
-        cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
-                                    microbatches=micro, budget=budget, schedules=schedules, boundaries=boundaries,
-                                    pieces=pieces)
+            return None, None
+        finally:
+            prepared.planner.checkpoint_per_layer = False
+        pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
+        kw = dict(layers=layers, num_layers=num_layers, microbatches=micro, schedules=schedules,
+                  boundaries=boundaries, pieces=pieces)
+        cand, peak = price_pipeline(inner, traced, mesh, axis, options, budget=budget, **kw)
         low = min(low, peak)
-        if cand is not None or budget is None:
-            return cand, low
-        state = float(pieces.state.sum())
-        nxt = int(budget + state * (pp - 1) / pp)
-        if inner_budget != "unlimited" and nxt >= inner_budget:
-            nxt = int(inner_budget * 0.8)
-        inner_budget = nxt
-    return None, low
+        return cand, kw | {"inner": inner}
+
+    cand, kw = solve("unlimited", inner_options.checkpointing)
+    if kw is None or budget is None:
+        return cand, low
+    inner = kw.pop("inner")
+    free, _ = price_pipeline(inner, traced, mesh, axis, options, budget=None, **kw)
+    target = min(bound, cand.pipeline.step_s if cand is not None else math.inf)
+    if free is None or free.pipeline.step_s >= target * (1 - 1e-9):
+        if cand is None:
+            log.info("%d microbatches: no split fits, and without a memory limit the step would be %s, no "
+                     "faster than %s: neither checkpointed nor solved again under the budget", micro,
+                     units.seconds(free.pipeline.step_s) if free else "-", units.seconds(bound))
+        return cand, low
+    if inner_options.checkpointing == "auto":
+        for policy in LAYER_CHECKPOINTING:
+            alt, _ = solve("unlimited", policy, per_layer=True)
+            if alt is not None and (cand is None or alt.pipeline.step_s < cand.pipeline.step_s):
+                cand = alt
+    if cand is not None:
+        return cand, low
+    alt, _ = solve(int(budget + float(kw["pieces"].state.sum()) * (pp - 1) / pp), inner_options.checkpointing)
+    return alt, low
 
 
 RECIPE = "PP × FSDP × TP"
@@ -613,16 +727,24 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
                num_layers: int, batch: int, plan: Plan | None = None):
     """The hand-written 3-D recipe (torchtitan's layout) as a :class:`~autoparallel.recipes.Row`:
     the pipeline axis of ``plan`` (else the one named ``"pp"``, else the first axis), an even
-    split of the layers, 1F1B, ``plan``'s microbatches (else ``pp``), and within a stage the
+    split of the layers, 1F1B, ``plan``'s microbatches (else the most the search tries, ``8 · pp``
+    where the batch allows: torchtitan's one sequence per microbatch), and within a stage the
     FSDP + TP recipe of :func:`autoparallel.recipes.recipes` on the submesh (Megatron TP where
-    the submesh has one axis), priced by the same step and memory model as the search."""
+    the submesh has one axis), priced by the same step and memory model as the search. As
+    torchtitan, no activation checkpointing when every stage fits without it, else full
+    per-layer checkpointing (``checkpointing="full"`` with one region per layer,
+    :attr:`~autoparallel.solver.planner.Planner.checkpoint_per_layer`: each layer keeps its
+    input and recomputes its forward in the backward); the row says which. Its plan's
+    ``solver_stats.stage_s["recipe"]`` holds the seconds it took (the capture is the search's)."""
     from ..recipes import Row, recipes
 
     pl = plan.pipeline if plan is not None else None
     axis = pl.axis if pl is not None else pipeline_axis(mesh, options)
     axis = 0 if axis is None else axis
     pp = mesh.shape[axis]
-    micro = pl.microbatches if pl is not None else (options.microbatches or pp)
+    # without the plan's: torchtitan's default of one sequence per microbatch, as far as the search's counts go
+    micro = pl.microbatches if pl is not None else (options.microbatches or max(_microbatch_counts(pp, batch, options),
+                                                                                default=pp))
     name = f"{RECIPE} (1F1B, even split over {mesh.axis_names[axis]}, {micro} microbatches)"
     if pp < 2 or pp > num_layers or batch % micro or micro < pp:
         return Row(name, None, f"{pp} stages over {num_layers} layers with {micro} microbatches of a batch of "
@@ -637,13 +759,30 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
         inner_recipe = next((r for r in listed.values() if r.name.startswith("Megatron TP")), inner_recipe)
     if inner_recipe is None or inner_recipe.constraints is None:
         return Row(name, None, inner_recipe.reason if inner_recipe else "no FSDP + TP recipe for the stage")
-    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
-                            constraints=inner_recipe.constraints)
+    t0 = time.perf_counter()
+    inner_options = _on_submesh(replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+                                        constraints=inner_recipe.constraints, memory_budget="unlimited"), axis)
+    even = even_boundaries(num_layers, pp)
+    low = math.inf
     try:
-        cand, low = _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, num_layers, micro,
-                               schedules=["1F1B"], boundaries=even_boundaries(num_layers, pp))
+        prepared = prepare(traced, sub, inner_options)
+        for ck in ("off", "full"):  # torchtitan: no activation checkpointing when it fits, else every block's
+            prepared.planner.checkpoint_per_layer = ck == "full"
+            inner = plan_traced(traced, sub, replace(inner_options, checkpointing=ck), prepared=prepared)
+            pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
+            cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
+                                        microbatches=micro, budget=budget, schedules=["1F1B"], boundaries=even,
+                                        pieces=pieces)
+            low = min(low, peak)
+            if cand is not None:
+                break
     except AutoParallelError as e:
         return Row(name, None, f"{type(e).__name__}: {e}")
     if cand is None:
-        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget (smallest peak {units.nbytes(low)})")
-    return Row(name, finish(cand, budget), notes=[f"{inner_recipe.name} within a stage"])
+        return Row(name, None, f"no stage fits the {units.nbytes(budget)} budget, even with full activation "
+                               f"checkpointing (smallest peak {units.nbytes(low)})")
+    plan = finish(cand, budget)
+    plan.solver_stats.stage_s["recipe"] = time.perf_counter() - t0
+    ac = "full activation checkpointing" if ck == "full" else "no activation checkpointing"
+    return Row(name, plan, notes=[f"{inner_recipe.name} within a stage, {ac}"])
+
