@@ -499,11 +499,18 @@ def even_boundaries(num_layers: int, stages: int) -> tuple[int, ...] | None:
 
 def _link(cost_model: CostModel, mesh: MeshSpec, axis: int) -> tuple[float, float]:
     """``(alpha, beta)`` of one link of the pipeline axis: a point-to-point send of ``B``
-    bytes costs ``alpha + B · beta``."""
+    bytes costs ``alpha + B · beta``. The axis' latency is a whole collective's (a ring
+    all-reduce's line fitted by the profile, or the mesh's per-collective alpha); a ring
+    all-reduce over ``n`` devices is ``2(n − 1)`` sends in sequence (Thakur et al., "Optimization
+    of Collective Communication Operations in MPICH", IJHPCA 2005, §4), so one send pays
+    ``alpha / (2(n − 1))`` (4 gloo processes: a 6.5 ms all-reduce latency against 0.3-0.5 ms
+    measured for one send)."""
     try:
-        return copy.copy(cost_model).bind(mesh)._link(axis)
+        alpha, beta = copy.copy(cost_model).bind(mesh)._link(axis)
     except ValueError:  # a profile of another shape
-        return mesh.alpha[axis], mesh.beta[axis]
+        alpha, beta = mesh.alpha[axis], mesh.beta[axis]
+    n = mesh.shape[axis]
+    return alpha / (2 * (n - 1)) if n > 1 else alpha, beta
 
 
 def _microbatch_counts(pp: int, batch: int, options: PlanOptions) -> list[int]:
