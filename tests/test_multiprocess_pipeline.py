@@ -49,6 +49,8 @@ def _case(mesh, name, schedule, microbatches, shard, save_to=None, **options):
         assert model.plan.checkpoint and "checkpoint" in model.graph_module.code
     with pytest.raises(autoparallel.AutoParallelError, match=r"model\.step"):
         model(**batch)
+    with pytest.raises(autoparallel.InputMismatchError, match="planned for"):
+        model.step(**{k: v[:2] for k, v in batch.items()})
     pp_rank = mesh.get_local_rank(pipeline.axis)
     held_layers = {int(n.split(".")[2]) for n, _ in model.named_parameters() if ".h." in n or ".layers." in n}
     mine = {layer for s in pipeline.stages_of_rank(pp_rank)

@@ -175,13 +175,12 @@ class PipelineRuntime:
             InputMismatchError: inputs of another structure or shape than planned."""
         order = self.in_spec.child(1).context if self.in_spec.num_children > 1 else []
         flat, spec = pytree.tree_flatten((tuple(args), {k: kwargs.get(k) for k in order}))
-        m = self.pipeline.microbatches
-        expected = [((m * shape[0], *shape[1:]) if shape else shape, v) for shape, v in self.input_meta]
+        m = self.pipeline.microbatches  # the planned inputs are one microbatch's
+        expected = [((m * shape[0], *shape[1:]), v) if shape is not None else (None, v) for shape, v in self.input_meta]
         got = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (None, x) for x in flat]
-        if spec != self.in_spec or set(kwargs) != set(order) or \
-                any(g != (tuple(e[0]) if e[0] is not None else None, e[1]) for g, e in zip(got, expected)):
+        if spec != self.in_spec or set(kwargs) != set(order) or got != expected:
             raise InputMismatchError(f"a pipelined module runs the inputs it was planned for: (shape, dtype) "
-                                     f"{[e for e in expected]}, keywords {list(order)}; got {got}")
+                                     f"{expected}, keywords {list(order)}; got {got}")
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for mod in self.modules:
             mod.calls = 0
