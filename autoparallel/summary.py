@@ -169,7 +169,11 @@ def _memory(plan: "Plan") -> str:
         return ""
     budget = plan.estimate.memory_budget_bytes
     parts = ", ".join(f"{k} {units.nbytes(v)}" for k, v in mem.breakdown.items() if v)
-    line = f"peak memory {units.nbytes(peak)} per device" + (f" of a {units.nbytes(budget)} budget" if budget else " (no budget)")
+    where = " (the fullest stage, its microbatches in flight)" if plan.pipeline is not None else ""
+    line = f"peak memory {units.nbytes(peak)} per device{where}" + \
+        (f" of a {units.nbytes(budget)} budget" if budget else " (no budget)")
+    if plan.pipeline is not None:  # the breakdown is the intra-stage plan's: every layer, one microbatch
+        return line + f"; every layer's on one device, one microbatch, in the {mem.phase}: {parts}"
     line += f", in the {mem.phase}: {parts}"
     if plan.checkpoint:
         line += f" (before recomputation {units.nbytes(mem.peak_bytes)})"
