@@ -504,12 +504,6 @@ def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         label = str(shape).replace(" ", "") + " " + ",".join(names)
         options = dict(schedule=args.schedule, microbatches=args.microbatches)
-        if args.cost_model == "default":
-            # autoparallelize's own default (a cost model of profile_mesh's tables for this mesh) fails on a
-            # 'pp' mesh: the stage plan binds it to the submesh, of another shape than the profile's
-            # (ValueError from CostModel.bind); the same measurements, as device rates and per-axis links
-            prof = autoparallel.profile_mesh(mesh, cache_dir=False if args.no_cache else None)
-            options.update(cost_model=autoparallel.CostModel(prof.device), mesh_spec=prof.mesh_spec(names))
         v = autoparallel_variant(args, "autoparallel", model, batch, mesh, label, **options)
         if v.module is not None:
             pmodel = v.module
@@ -896,8 +890,8 @@ def table(results: list[dict]) -> str:
         head += ("\npipeline rows: autoparallelize(..., device_mesh=pp mesh, schedule=, microbatches=) next to "
                  f"{PIPE_RECIPE} (torch.distributed.pipelining by hand: the layers split evenly by module surgery, a "
                  "PipelineStage per rank, DDP over dp); a step is the schedule's forward and backward of every "
-                 "microbatch, then AdamW; the cost model 'default' is profile_mesh's device rates and links "
-                 "(CostModel(profile.device), mesh_spec=profile.mesh_spec()); peak memory is not measured (MemTracker "
+                 "microbatch, then AdamW; the cost model 'default' is autoparallelize's own (profile_mesh's tables, the "
+                 "stage solve priced by its submesh's); peak memory is not measured (MemTracker "
                  "hangs the schedule's point-to-point waits)")
     parts = [head, out]
     if checks:
