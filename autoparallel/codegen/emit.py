@@ -15,12 +15,12 @@ from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.tensor import DTensor
 
 from ..errors import AutoParallelError, MeshMismatchError
+from ..fqn import get_attr
 from ..mesh import MeshSpec
 from ..options import PlanOptions
 from ..passes.grad_buckets import DEFAULT_BUCKET_CAP_BYTES
-from ..fqn import get_attr
 from ..passes.lower import lower, lower_stages
-from ..passes.stages import loss_index
+from ..passes.stages import loss_dtype
 from ..placement import replicated
 from ..plan import Plan
 from ..solver.pipeline import plan_on_rank0
@@ -85,9 +85,8 @@ def emit_pipeline(model: nn.Module, traced, plan: Plan, device_mesh, untied: dic
     pmodel.add_variant(graphs[mine[0]], plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
                        input_meta=traced.input_meta)
     pmodel._ap.pipeline = PipelineRuntime(pmodel, plan.pipeline, graphs, device_mesh, pp_rank, pmodel._ap.coord,
-                                          traced.input_meta, traced.in_spec, untied, traced,
-                                          traced.gm.graph.find_nodes(op="output")[0].args[0][loss_index(traced.gm)]
-                                          .meta["val"].dtype, fake)
+                                          traced.input_meta, traced.in_spec, untied, traced, loss_dtype(traced.gm),
+                                          fake)
     return pmodel
 
 

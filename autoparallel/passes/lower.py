@@ -1,6 +1,8 @@
 """The lowering stage: a captured graph and its :class:`Plan` in, the per-device graph out.
 
-The pass list, in the order the passes run, is :func:`lower`'s body and nowhere else.
+The pass list, in the order the passes run, is :func:`_lowered`'s body then :func:`_finish`'s,
+and nowhere else; a pipelined plan's graph is cut into its stages between the two
+(:func:`lower_stages`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def lower(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> fx.Gr
 
 def lower_stages(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int) -> list[fx.GraphModule]:
     """The per-device graphs of a pipelined ``plan``'s stages (:mod:`autoparallel.passes.stages`),
-    every stage's: ``device_mesh`` is one stage's submesh, ``root`` holds every parameter (those
-    of other stages' may be meta tensors: no stage reads them). The passes of :func:`lower`,
+    every stage's: ``device_mesh`` is one stage's submesh, ``root`` holds every parameter (other
+    stages' as fake tensors, :func:`~autoparallel.codegen.pipeline.stand_in`). The passes of :func:`lower`,
     gradient buckets holding one stage's parameters each, the graph cut before activation
     checkpointing and the overlap of collectives, which then run per stage."""
     source_stage = traced_stages(traced.gm, plan.pipeline)
@@ -46,9 +48,10 @@ def _lowered(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int,
     and constants).
 
     The passes, in order: :func:`apply_plan` (local shapes, collectives, gradient buckets of
-    at most ``bucket_cap_bytes`` bytes), per-shard random ops, the emit-time rewrites of
-    :data:`autoparallel.rewrites.REWRITES` in their order, activation checkpointing,
-    then the forward's collectives scheduled for overlap.
+    at most ``bucket_cap_bytes`` bytes, one stage's parameters each when ``stage_of`` gives the
+    traced nodes' pipeline stages), per-shard random ops, the emit-time rewrites of
+    :data:`autoparallel.rewrites.REWRITES` in their order; then :func:`_finish`: activation
+    checkpointing and the forward's collectives scheduled for overlap.
     """
     groups = process_groups(device_mesh.mesh_dim_names or plan.mesh.axis_names,
                             [device_mesh.get_group(a).group_name for a in range(device_mesh.ndim)])

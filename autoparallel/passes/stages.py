@@ -76,6 +76,12 @@ def loss_index(gm: fx.GraphModule) -> int:
                             "e.g. pass labels to a Hugging Face causal LM): the last stage backpropagates from it")
 
 
+def loss_dtype(gm: fx.GraphModule) -> torch.dtype:
+    """The dtype of the loss :func:`loss_index` picks."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return output.args[0][loss_index(gm)].meta["val"].dtype
+
+
 def split_stages(gm: fx.GraphModule, source_stage: dict[str, int], stages: int, loss: int) -> list[fx.GraphModule]:
     """The per-device graph ``gm`` (lowered from a traced graph whose nodes' stages are
     ``source_stage``; emitted nodes name theirs in ``meta["source"]``) as one graph module per
