@@ -305,8 +305,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     longer). DTensor op overhead: AdamW's eight update ops on one-element DTensors over a
     one-device mesh, per op (:func:`_dtensor_op_overhead`). Attention efficiency:
     ``scaled_dot_product_attention`` forward and backward on ``[4, 8, 256, 64]`` (fp32 on a CPU,
-    bf16 elsewhere), its FLOP/s over the matmul rate of that dtype
-    (:func:`_attention_efficiency`). Host link and host memory: :func:`_host_rates`. Step
+    bf16 elsewhere), its FLOP/s over that of the matmul at its peak size, the two timed in
+    alternation (:func:`_attention_efficiency`). Host link and host memory: :func:`_host_rates`. Step
     efficiency: a reference training step timed against
     what the roofline of these rates predicts for it (:func:`_step_efficiency`). Each rate is the median of 3
     samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
@@ -343,18 +343,18 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
     cores, what one measures depends on what the others run meanwhile: without it, one 4-rank
     calibration on 2 cores priced steps 1.3x too slow and the next 0.66x."""
     share = time_budget / (len(_MATMUL_DTYPES) + 1)
-    flops = []
+    peaks = []
     for dtype in _MATMUL_DTYPES:
         together()
-        flops.append(_matmul_rate(device, dtype, share))
-    fp32, half = flops
+        peaks.append(_matmul_rate(device, dtype, share))
+    (fp32, n32), (half, n16) = peaks
     if device.type == "cpu":
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_on_host)
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
     measured = []
     for phase in (lambda: _memory_rate(device, share, ranks_on_host), lambda: _op_overhead(device),
-                  lambda: _dtensor_op_overhead(device), lambda: _attention_efficiency(device, fp32, half)):
+                  lambda: _dtensor_op_overhead(device), lambda: _attention_efficiency(device, n32 if device.type == "cpu" else n16)):
         together()
         measured.append(phase())
     bw, overhead, dtensor, attention = measured
@@ -471,35 +471,46 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     return predicted / _median_time(lambda: model(x).backward(), device)
 
 
-def _attention_efficiency(device: torch.device, fp32: float, half: float) -> float:
+def _attention_efficiency(device: torch.device, n: int) -> float:
     """FLOP/s of ``scaled_dot_product_attention``'s forward and backward on q, k, v of
-    ``[4, 8, 256, 64]`` over the matmul rate (``fp32`` on a CPU, ``half`` elsewhere: the dtype
-    its kernels are timed in), timed by :func:`_median_time`. Its work is 3.5 times the
-    forward's FLOPs (torch's ``sdpa_flop_count``): the backward does 2.5 times the forward's."""
-    dtype, rate = (torch.float32, fp32) if device.type == "cpu" else (torch.bfloat16, half)
+    ``[4, 8, 256, 64]`` over the FLOP/s of an ``n × n`` matmul, ``n`` the size at which
+    :func:`_matmul_rate` found the peak (fp32 on a CPU, bf16 elsewhere: the dtype its kernels
+    are timed in). The two are timed in alternation, 3 samples each, and the median of the
+    3 ratios is kept: a load that comes and goes (other processes on shared cores) slows
+    both alike. Timed apart, a 2-core machine loaded by a second test run measured 14.6 for
+    what is 0.5-0.6 unloaded. The attention's work is 3.5 times its forward's FLOPs (torch's
+    ``sdpa_flop_count``): the backward does 2.5 times the forward's."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v = (torch.randn(4, 8, 256, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
 
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     flops = 3.5 * sdpa_flop_count(q.shape, k.shape, v.shape)
-    return flops / _median_time(step, device) / rate
+    ratios = [flops / _median_time(step, device, repeats=1)
+              / (2 * n**3 / _median_time(lambda: torch.mm(a, b, out=out), device, repeats=1)) for _ in range(3)]
+    return statistics.median(ratios)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> float:
-    best, spent, n = 0.0, 0.0, 256
+def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> tuple[float, int]:
+    """``(FLOP/s, n)``: the best rate of ``n × n`` matmuls in ``dtype``, ``n`` doubling from
+    256 while ``budget`` seconds allow, and the ``n`` that reached it."""
+    (best, best_n), spent, n = (0.0, 256), 0.0, 256
     while n <= _MAX_MATMUL_N:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         t0 = time.perf_counter()
         t = _median_time(lambda: torch.mm(a, b, out=out), device)
-        best = max(best, 2 * n**3 / t)
+        if 2 * n**3 / t > best:
+            best, best_n = 2 * n**3 / t, n
         spent += time.perf_counter() - t0
         if spent + 4 * max(8 * t, _WINDOW_S) > budget:  # the next size does 8x the work
             break
         n *= 2
-    return best
+    return best, best_n
 
 
 def _memory_rate(device: torch.device, budget: float, ranks_on_host: int) -> float:

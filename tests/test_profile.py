@@ -227,6 +227,7 @@ def test_compute_time_adds_the_op_overhead_per_call():
         DevicePreset("d", 1e12, 1e12, 1e11, 2**30, op_overhead=-1e-6)
 
 
+@pytest.mark.timing  # beside another test on 2 cores, its rates would measure that test's load
 def test_calibration_measures_the_op_overhead_and_efficiencies():
     """calibrate_device times a chain of tiny ops forward and backward: microseconds per call
     on a CPU (2.8 us forward, 4.9 us backward on the 2-core test VM), not zero; SDPA's share of
