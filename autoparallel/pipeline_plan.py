@@ -26,6 +26,11 @@ which the gradient buckets of the emitted graphs do not follow; they are not off
 
 MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS")
 
+CHECKPOINTING = ("off", "selective", "full", "auto")
+"""A stage's activation checkpointing: none, each layer run selectively (its matmul and
+attention outputs kept) or fully recomputed (its input kept), or the memory search's own
+regions (``"auto"``)."""
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -48,6 +53,9 @@ class PipelinePlan:
             back, over the pipeline axis, seconds.
         bubble: the fraction of the step a device idles in the schedule (0 to 1).
         step_s: the estimated step, seconds.
+        checkpointing: per stage, its activation checkpointing, one of :data:`CHECKPOINTING`
+            (empty when not recorded); the plan's checkpoint regions are those of each
+            stage's layers.
     """
 
     mesh: MeshSpec
@@ -61,6 +69,7 @@ class PipelinePlan:
     p2p_s: float = 0.0
     bubble: float = 0.0
     step_s: float = 0.0
+    checkpointing: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.check()
@@ -116,6 +125,9 @@ class PipelinePlan:
             v = getattr(self, name)
             _check(len(v) in (0, self.stages) and all(_is_number(x) and x >= 0 for x in v), where, name,
                    f"{self.stages} numbers >= 0 (or none)", list(v))
+        _check(len(self.checkpointing) in (0, self.stages) and all(c in CHECKPOINTING for c in self.checkpointing),
+               where, "checkpointing", f"{self.stages} of " + ", ".join(CHECKPOINTING) + " (or none)",
+               list(self.checkpointing))
         for name in ("p2p_s", "bubble", "step_s"):
             _check(_is_number(getattr(self, name)) and getattr(self, name) >= 0, where, name, "a number >= 0",
                    getattr(self, name))
@@ -124,29 +136,32 @@ class PipelinePlan:
         return {"mesh": self.mesh.to_json(), "axis": self.axis, "layers": self.layers,
                 "boundaries": list(self.boundaries), "microbatches": self.microbatches, "schedule": self.schedule,
                 "stage_s": list(self.stage_s), "stage_peak_bytes": list(self.stage_peak_bytes),
-                "p2p_s": self.p2p_s, "bubble": self.bubble, "step_s": self.step_s}
+                "p2p_s": self.p2p_s, "bubble": self.bubble, "step_s": self.step_s,
+                "checkpointing": list(self.checkpointing)}
 
     @classmethod
     def from_json(cls, d) -> "PipelinePlan":
-        """Inverse of :meth:`to_json`.
+        """Inverse of :meth:`to_json`; ``checkpointing`` may be absent.
 
         Raises:
             ValueError: a field missing, unknown or out of range (named)."""
         _check(isinstance(d, dict), "plan", "pipeline", "an object", d)
-        _fields(d, _FIELDS, "pipeline")
+        _fields(d, _FIELDS, "pipeline", optional=("checkpointing",))
+        d = {"checkpointing": []} | d
         _check(isinstance(d["layers"], str), "pipeline", "layers", "a module path", d["layers"])
-        for k in ("boundaries", "stage_s", "stage_peak_bytes"):
+        for k in ("boundaries", "stage_s", "stage_peak_bytes", "checkpointing"):
             _check(isinstance(d[k], list), "pipeline", k, "a list", d[k])
         try:
             mesh = MeshSpec.from_json(d["mesh"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"pipeline: mesh: {e}") from None
         return cls(mesh, d["axis"], d["layers"], tuple(d["boundaries"]), d["microbatches"], d["schedule"],
-                   tuple(d["stage_s"]), tuple(d["stage_peak_bytes"]), d["p2p_s"], d["bubble"], d["step_s"])
+                   tuple(d["stage_s"]), tuple(d["stage_peak_bytes"]), d["p2p_s"], d["bubble"], d["step_s"],
+                   tuple(d["checkpointing"]))
 
 
 _FIELDS = ("mesh", "axis", "layers", "boundaries", "microbatches", "schedule", "stage_s", "stage_peak_bytes",
-           "p2p_s", "bubble", "step_s")
+           "p2p_s", "bubble", "step_s", "checkpointing")
 
 
 def submesh(mesh: MeshSpec, axis: int) -> MeshSpec:

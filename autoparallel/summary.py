@@ -109,7 +109,7 @@ def _header(plan: "Plan") -> str:
 
 def _pipeline(plan: "Plan") -> str:
     """The pipeline stages of a pipelined plan: its axis, each stage's layers, seconds per
-    microbatch and peak, the microbatches, schedule, bubble and sends; empty otherwise."""
+    microbatch, peak and checkpointing, the microbatches, schedule, bubble and sends; empty otherwise."""
     pl = getattr(plan, "pipeline", None)
     if pl is None:
         return ""
@@ -122,10 +122,9 @@ def _pipeline(plan: "Plan") -> str:
     s = 0
     while s < pl.stages:
         a, b = spans[s]
-        key = (b - a, pl.stage_s[s] if pl.stage_s else None, pl.stage_peak_bytes[s] if pl.stage_peak_bytes else None)
+        key = _stage_key(pl, s)
         e = s
-        while 0 < s and e + 1 < pl.stages - 1 and (spans[e + 1][1] - spans[e + 1][0], *key[1:]) == key \
-                and (pl.stage_s[e + 1] if pl.stage_s else None) == key[1]:
+        while 0 < s and e + 1 < pl.stages - 1 and _stage_key(pl, e + 1) == key:
             e += 1
         if e > s:
             what = f"layers {a}-{spans[e][1] - 1}, {b - a} each"
@@ -139,9 +138,18 @@ def _pipeline(plan: "Plan") -> str:
             what += ", head and loss"
         t = units.seconds(pl.stage_s[s]) if pl.stage_s else "?"
         peak = units.nbytes(pl.stage_peak_bytes[s]) if pl.stage_peak_bytes else "?"
-        rows.append((who, what, f"{t} per microbatch", f"peak {peak}"))
+        ck = {"off": "no recomputation", "auto": "recomputation (memory search)"}.get(
+            pl.checkpointing[s], f"{pl.checkpointing[s]} checkpointing per layer") if pl.checkpointing else ""
+        rows.append((who, what, f"{t} per microbatch", f"peak {peak}") + ((ck,) if ck else ()))
         s = e + 1
     return "\n".join(lines + [columns(rows)])
+
+
+def _stage_key(pl, s: int) -> tuple:
+    """What a summary row of stages shares: layers, seconds, peak and checkpointing."""
+    a, b = pl.boundaries[s], pl.boundaries[s + 1]
+    return (b - a, pl.stage_s[s] if pl.stage_s else None, pl.stage_peak_bytes[s] if pl.stage_peak_bytes else None,
+            pl.checkpointing[s] if pl.checkpointing else None)
 
 
 def step_parts(plan: "Plan") -> tuple[float, float, float, float]:

@@ -320,8 +320,12 @@ def _shard(d: int | None, unit: int = 1):
 
 
 def _check_checkpoint(plan: Plan, gm: fx.GraphModule) -> None:
-    want = {n.name: s for n, s in chain_stages([n for n in gm.graph.nodes if n.op != "output"]).items()}
+    """The plan's checkpoint stages are the graph's chain: one stage per sub-layer run, or
+    one per layer (:func:`~autoparallel.solver.remat.chain_stages`, ``per_layer``)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
     have = plan.checkpoint.stages
+    per_layer = {n.name: s for n, s in chain_stages(nodes, per_layer=True).items()}
+    want = per_layer if have == per_layer else {n.name: s for n, s in chain_stages(nodes).items()}
     for name, s in want.items():
         if have.get(name) != s:
             raise _mismatch(f"checkpoint stages[{name!r}]", "the stage the graph's chain gives", s, have.get(name))

@@ -3,7 +3,7 @@ trains one step with ``model.step()`` and SGD: the loss, every gradient and ever
 the step equal the single-device model's (each rank checks the parameters its stages hold), for
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
-recomputed within it; ``clip_grad_norm_`` clips by the whole model's norm; and
+recomputed within it (in every stage, or in the one the budget needs it in); ``clip_grad_norm_`` clips by the whole model's norm; and
 ``torch.distributed.checkpoint`` saves and loads every stage's parameters."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _close(what, got, want):
                                msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
 
 
-def _case(mesh, name, schedule, microbatches, shard, save_to=None, **options):
+def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=None, stage_checkpointing=None, **options):
     import autoparallel
     import models
 
@@ -41,17 +41,26 @@ def _case(mesh, name, schedule, microbatches, shard, save_to=None, **options):
     model = copy.deepcopy(ref)
     batch = models.batch_for(name, 1)
     cost = models.ShardParams("cpu") if shard else autoparallel.CostModel()
+    if budget_share is not None:  # of the unbudgeted plan's fullest stage
+        spec = autoparallel.MeshSpec(tuple(mesh.shape), mesh.mesh_dim_names)
+        free = autoparallel.plan(model, models.to_meta(batch), mesh_spec=spec, cost_model=cost, cache_dir=False,
+                                 schedule=schedule, microbatches=microbatches)
+        options["memory_budget"] = int(budget_share * max(free.pipeline.stage_peak_bytes))
     model = autoparallel.autoparallelize(model, models.to_meta(batch), device_mesh=mesh, cost_model=cost,
                                          cache_dir=False, schedule=schedule, microbatches=microbatches, **options)
     pipeline = model.plan.pipeline
     assert (pipeline.schedule, pipeline.microbatches) == (schedule, microbatches)
+    if stage_checkpointing is not None:
+        assert pipeline.checkpointing == stage_checkpointing, pipeline
     if options.get("checkpointing") == "full":
         assert model.plan.checkpoint and "checkpoint" in model.graph_module.code
+    pp_rank = mesh.get_local_rank(pipeline.axis)
+    if pipeline.stages == pipeline.pp:  # one stage per rank: its graph is the module's
+        assert ("checkpoint" in model.graph_module.code) == (pipeline.checkpointing[pp_rank] != "off")
     with pytest.raises(autoparallel.AutoParallelError, match=r"model\.step"):
         model(**batch)
     with pytest.raises(autoparallel.InputMismatchError, match="planned for"):
         model.step(**{k: v[:2] for k, v in batch.items()})
-    pp_rank = mesh.get_local_rank(pipeline.axis)
     held_layers = {int(n.split(".")[2]) for n, _ in model.named_parameters() if ".h." in n or ".layers." in n}
     mine = {layer for s in pipeline.stages_of_rank(pp_rank)
             for layer in range(pipeline.boundaries[s], pipeline.boundaries[s + 1])}
@@ -98,7 +107,9 @@ def case_name(name, schedule):
 
 def _pp_dp(rank, folder):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    _case(mesh, "gpt2", "1F1B", 2, shard=False, save_to=f"{folder}/replicated")
+    # a budget below the first stage's peak: it recomputes, the last stage does not
+    _case(mesh, "gpt2", "1F1B", 2, shard=False, save_to=f"{folder}/replicated", budget_share=0.85,
+          stage_checkpointing=("full", "off"))
     _case(mesh, "gpt2", "GPipe", 4, shard=True, save_to=f"{folder}/sharded", checkpointing="full")
     _case(mesh, "llama", "Interleaved1F1B", 2, shard=False)
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)

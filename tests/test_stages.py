@@ -2,6 +2,7 @@
 boundaries of :func:`autoparallel.solver.stages.plan_stages`, priced by its step and memory
 model. Planning tier: meta-device models, no process group."""
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -22,9 +23,9 @@ def llama(layers=6, hidden=64, vocab=512):
                                                 num_key_value_heads=2, vocab_size=vocab, use_cache=False))
 
 
-def gpt2(layers=6):
+def gpt2(layers=6, vocab=512):
     with torch.device("meta"):
-        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=512, n_positions=256,
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=vocab, n_positions=256,
                                               use_cache=False))
 
 
@@ -160,6 +161,39 @@ def test_the_recipe_checkpoints_every_layer_only_when_a_stage_would_not_fit():
     assert tight.plan.estimate.peak_memory_bytes <= peak * 0.7
 
 
+def test_checkpointing_is_chosen_per_stage():
+    """Under 1F1B the first of two stages holds two microbatches in flight and the last one:
+    with a budget below the first stage's peak, the first stage recomputes and the last does
+    not, faster than either policy on every stage; the plan's checkpoint regions are the first
+    stage's layers' only."""
+    mesh, kw = MeshSpec((2, 2), ("pp", "tp")), dict(microbatches=4, schedule="1F1B")
+    free = plan(llama(12), batch(16, 256), mesh, **kw)
+    assert free.pipeline.checkpointing == ("off", "off")
+    budget = int(0.8 * max(free.pipeline.stage_peak_bytes))
+    mixed = plan(llama(12), batch(16, 256), mesh, memory_budget=budget, **kw)
+    pl = mixed.pipeline
+    assert pl.checkpointing[0] in ("selective", "full") and pl.checkpointing[1] == "off", pl
+    assert max(pl.stage_peak_bytes) <= budget
+    for policy in ("selective", "full"):
+        pinned = plan(llama(12), batch(16, 256), mesh, memory_budget=budget, checkpointing=policy, **kw)
+        assert set(pinned.pipeline.checkpointing) == {policy}
+        assert pl.step_s < 0.95 * pinned.pipeline.step_s, (policy, pl.step_s, pinned.pipeline.step_s)
+    paths = {mixed.nodes[n].module_path for reg in mixed.checkpoint.regions
+             for n, st in mixed.checkpoint.stages.items() if reg.start <= st < reg.stop and n in mixed.nodes}
+    layers = {int(p.split(".")[2]) for p in paths if p.startswith("model.layers.")}
+    assert layers and max(layers) < pl.boundaries[1], (layers, pl.boundaries)
+    assert Plan.from_json(mixed.to_json()).pipeline == pl
+    assert "checkpointing per layer" in str(mixed) and "no recomputation" in str(mixed)
+    # its regions are per layer, a chain the graph gives too: the plan runs (validated as autoparallelize does)
+    from autoparallel.api import _stage_capture
+    from autoparallel.options import PlanOptions
+    from autoparallel.validate import validate_plan
+
+    traced, _ = _stage_capture(llama(12), batch(16, 256), PlanOptions.build(None, "plan", cache_dir=False),
+                               "model.layers", 4)
+    validate_plan(mixed, traced)
+
+
 def test_microbatch_counts_are_tried_from_the_largest_down(monkeypatch):
     seen = []
     real = stages._search_at
@@ -198,14 +232,12 @@ def test_one_prepare_serves_every_budget():
         assert shared.estimate.peak_memory_bytes == fresh.estimate.peak_memory_bytes
     pieces = stages.aggregate(free, traced, "model.layers", 6, opts, memory=prepared.planner.memory)
     again = stages.aggregate(free, traced, "model.layers", 6, opts)
-    assert all((getattr(pieces, f) == getattr(again, f)).all() for f in pieces.__dataclass_fields__)
+    assert all(np.array_equal(getattr(pieces, f), getattr(again, f)) for f in pieces.__dataclass_fields__)
 
 
 def test_stage_sums_and_peaks_from_prefix_sums_match_the_pieces():
     """The DP prices a stage in O(1) (prefix sums, a range-maximum table): the same numbers as
     summing its pieces."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     for L in (6, 13):
         r = lambda: rng.random(L + 2)  # noqa: E731

@@ -36,8 +36,10 @@ stage:
    DP, Alpa's §5.2 recurrence with one device group per stage): ``f[s][j]`` the smallest
    slowest-stage time of ``s`` stages over layers ``[0, j)``, each stage within the memory
    budget with the activations of its microbatches in flight. ``pre`` belongs to stage 0 and
-   ``post`` to the last, so uneven splits pay when those pieces are heavy. ``O(S · L²)``
-   per schedule (``S`` stages, ``L`` layers), each transition O(1) from prefix sums;
+   ``post`` to the last, so uneven splits pay when those pieces are heavy. Each stage runs the
+   fastest of the plan's checkpointing choices (:class:`PricedPlan`) that fits it (:func:`split`), so
+   checkpointing is chosen per stage. ``O(K · S · L²)`` per schedule (``S`` stages, ``L``
+   layers, ``K`` priced plans), each transition O(1) from prefix sums;
 4. the step of each candidate by the schedule's model (:func:`step_model`), and the fastest
    candidate that fits is kept; its plan's ``estimate`` holds the pipelined step, so that it
    compares fairly with unpipelined plans.
@@ -73,7 +75,7 @@ from ..mesh import MeshSpec
 from ..options import PlanOptions
 from ..pipeline_plan import MULTI_STAGE, PipelinePlan, submesh
 from ..placement import local_shape
-from ..plan import Plan
+from ..plan import CheckpointPlan, Plan
 from ..strategies.engine import Strategy
 from ..tracer.annotate import node_info
 from .costs import CostModel
@@ -115,6 +117,7 @@ class Pieces:
             checkpointed region's recomputed activations).
         cross: per layer boundary ``b`` (``1..L-1``: between layers ``b-1`` and ``b``), bytes
             per device sent forward, and ``cross_grad`` sent back (their gradients).
+        region_piece: per top-level checkpoint region of the plan, the piece it is counted in.
     """
 
     micro_s: np.ndarray
@@ -126,6 +129,7 @@ class Pieces:
     transient: np.ndarray
     cross: np.ndarray
     cross_grad: np.ndarray
+    region_piece: tuple[int, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -134,6 +138,33 @@ class Pieces:
     def stage(self, a: int, b: int) -> list[int]:
         """The pieces of the stage running layers ``[a, b)``."""
         return ([0] if a == 0 else []) + list(range(a + 1, b + 1)) + ([self.layers + 1] if b == self.layers else [])
+
+
+@dataclass
+class PricedPlan:
+    """One intra-stage plan, priced as pieces: ``policy`` its checkpointing, one of
+    :data:`~autoparallel.pipeline_plan.CHECKPOINTING`."""
+
+    policy: str
+    plan: Plan
+    pieces: Pieces
+
+
+def priced_plan(plan: Plan, pieces: Pieces, checkpointing: str) -> PricedPlan:
+    """``plan`` solved under ``checkpointing`` as a :class:`PricedPlan`: ``"off"`` when it recomputes nothing."""
+    return PricedPlan("off" if plan.checkpoint is None else checkpointing, plan, pieces)
+
+
+def mixable(a: PricedPlan, b: PricedPlan) -> bool:
+    """Whether stages may run ``a`` and ``b`` side by side: the same strategies on every node
+    (so activations cross every boundary in the same placements) and, where both checkpoint,
+    the same chain stages (so their regions are ranges of one numbering)."""
+    pa, pb = a.plan, b.plan
+    if pa.nodes.keys() != pb.nodes.keys() or any(
+            (x.input_specs, x.output_specs) != (pb.nodes[n].input_specs, pb.nodes[n].output_specs)
+            for n, x in pa.nodes.items()):
+        return False
+    return pa.checkpoint is None or pb.checkpoint is None or pa.checkpoint.stages == pb.checkpoint.stages
 
 
 @dataclass
@@ -240,7 +271,7 @@ def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOp
     micro += recompute
 
     state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, region_piece, memory)
-    return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad)
+    return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad, tuple(region_piece))
 
 
 def _choice(inner: Plan, gm) -> dict:
@@ -407,88 +438,105 @@ class _Priced:
         return float(self._state[hi + 1] - self._state[lo] + flight * (self._saved[hi + 1] - self._saved[lo])
                      + self._tmax[lo, hi])
 
-    def boundaries(self, stages: int, fits: Callable[[int, int, int], bool]) -> tuple[int, ...] | None:
-        """The cut points of ``stages`` stages minimizing the slowest stage's per-microbatch
-        seconds (its sends included), every stage fitting (``fits(stage, a, b)``); ``None``
-        when no split fits. The DP of the module docstring, O(stages · L²)."""
-        L, S = self.L, stages
-        if S > L:
-            return None
-        cost = {}
 
-        def c(a, b):
-            key = (a, b)
-            if key not in cost:
-                cost[key] = self.sum(self.p.micro_s, a, b) + max(self.p2p(a), self.p2p(b))
-            return cost[key]
+def split(priced: list[_Priced], stages: int, fits: Callable[[int, int, int, int], bool]
+          ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The cut points of ``stages`` stages minimizing the slowest stage's per-microbatch
+    seconds (its sends included), and per stage the priced plan it runs: of ``priced`` (one
+    intra-stage plan's strategies under each checkpointing, fastest first), the first that fits
+    (``fits(k, stage, a, b)``, ``k`` an index into ``priced``). ``None`` when no split fits. The DP of the module
+    docstring, O(stages · L²) stage prices: choosing each stage's apart is exact, the
+    slowest stage being a maximum over stages, and first-fit is the fastest fitting one
+    because they differ only in recomputation, which adds seconds to every piece."""
+    L, S = priced[0].L, stages
+    if S > L:
+        return None
+    cost = {}
 
-        INF = math.inf
-        f = [[INF] * (L + 1) for _ in range(S + 1)]
-        arg = [[-1] * (L + 1) for _ in range(S + 1)]
-        f[0][0] = 0.0
-        for s in range(1, S + 1):
-            lo, hi = s, L - (S - s)
-            for j in range(lo, hi + 1):
-                best, bi = INF, -1
-                for i in range(s - 1, j):
-                    if f[s - 1][i] == INF:
-                        continue
-                    if not fits(s - 1, i, j):
-                        continue
-                    val = max(f[s - 1][i], c(i, j))
-                    if val < best - 1e-15 or (abs(val - best) <= 1e-15 and abs(j - 2 * i) < abs(j - 2 * bi)):
-                        best, bi = val, i
-                f[s][j], arg[s][j] = best, bi
-        if f[S][L] == INF:
-            return None
-        cuts, j = [L], L
-        for s in range(S, 0, -1):
-            j = arg[s][j]
-            cuts.append(j)
-        return tuple(reversed(cuts))
+    def c(s, a, b):
+        key = (s, a, b)
+        if key not in cost:
+            k = next((k for k in range(len(priced)) if fits(k, s, a, b)), None)
+            cost[key] = (math.inf, -1) if k is None else (
+                priced[k].sum(priced[k].p.micro_s, a, b) + max(priced[0].p2p(a), priced[0].p2p(b)), k)
+        return cost[key][0]
+
+    INF = math.inf
+    f = [[INF] * (L + 1) for _ in range(S + 1)]
+    arg = [[-1] * (L + 1) for _ in range(S + 1)]
+    f[0][0] = 0.0
+    for s in range(1, S + 1):
+        lo, hi = s, L - (S - s)
+        for j in range(lo, hi + 1):
+            best, bi = INF, -1
+            for i in range(s - 1, j):
+                if f[s - 1][i] == INF:
+                    continue
+                val = max(f[s - 1][i], c(s - 1, i, j))
+                if val == INF:
+                    continue
+                if val < best - 1e-15 or (abs(val - best) <= 1e-15 and abs(j - 2 * i) < abs(j - 2 * bi)):
+                    best, bi = val, i
+            f[s][j], arg[s][j] = best, bi
+    if f[S][L] == INF:
+        return None
+    cuts, j = [L], L
+    for s in range(S, 0, -1):
+        j = arg[s][j]
+        cuts.append(j)
+    cuts = tuple(reversed(cuts))
+    return cuts, tuple(cost[s, a, b][1] for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
 
 
-def price_schedule(priced: _Priced, pp: int, schedule: str, microbatches: int, budget: int | None,
+def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: int, budget: int | None,
                    boundaries: tuple[int, ...] | None = None):
-    """The pipeline of one schedule and microbatch count on one intra-stage plan: its
-    boundaries (searched, or given), per-stage seconds and peaks, step and bubble. ``None``
-    when no split fits ``budget`` (with the smallest peak reached, for the error)."""
+    """The pipeline of one schedule and microbatch count over ``priced`` (:func:`split`): its boundaries (searched, or given), each stage's
+    priced plan, per-stage seconds and peaks, step and bubble. ``None`` when no
+    split fits ``budget`` (with the smallest peak reached, for the error)."""
     v = 2 if schedule in MULTI_STAGE else 1
     S = pp * v
     flight = in_flight(schedule, pp, v, microbatches)
 
-    def fits(s, a, b):
-        return budget is None or priced.stage_peak(a, b, flight[s % pp]) <= budget
+    def peak(k, s, a, b):
+        return priced[k].stage_peak(a, b, flight[s % pp])
+
+    def fits(k, s, a, b):
+        return budget is None or peak(k, s, a, b) <= budget
+
+    def lowest(cuts):  # the smallest peak reachable with these cuts, for the error
+        return max(min(peak(k, s, a, b) for k in range(len(priced))) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
 
     if boundaries is None:
-        boundaries = priced.boundaries(S, fits)
-        if boundaries is None:
-            even = even_boundaries(priced.L, S)
-            return None, (max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b)
-                              in enumerate(zip(even, even[1:]))) if even else math.inf)
+        found = split(priced, S, fits)
+        if found is None:
+            even = even_boundaries(priced[0].L, S)
+            return None, (lowest(even) if even else math.inf)
+        boundaries, choice = found
+    else:
+        choice = tuple(next((k for k in range(len(priced)) if fits(k, s, a, b)), -1)
+                       for s, (a, b) in enumerate(zip(boundaries, boundaries[1:])))
+        if -1 in choice:  # given boundaries that do not fit
+            return None, lowest(boundaries)
     spans = list(zip(boundaries, boundaries[1:]))
-    if not all(fits(s, a, b) for s, (a, b) in enumerate(spans)):  # given boundaries that do not fit
-        return None, max(priced.stage_peak(a, b, flight[s % pp]) for s, (a, b) in enumerate(spans))
-    stage_s = [priced.sum(priced.p.micro_s, a, b) for a, b in spans]
-    peaks = [int(priced.stage_peak(a, b, flight[s % pp])) for s, (a, b) in enumerate(spans)]
+    stage = [(priced[k], a, b) for k, (a, b) in zip(choice, spans)]
+    stage_s = [p.sum(p.p.micro_s, a, b) for p, a, b in stage]
+    peaks = [int(peak(k, s, a, b)) for s, (k, (a, b)) in enumerate(zip(choice, spans))]
     rank_s = [sum(stage_s[r::pp]) for r in range(pp)]
-    update = [sum(priced.sum(priced.p.step_s, a, b) for a, b in spans[r::pp]) for r in range(pp)]
-    p2p = max((priced.p2p(b) for b in boundaries[1:-1]), default=0.0)
+    update = [sum(p.sum(p.p.step_s, a, b) for p, a, b in stage[r::pp]) for r in range(pp)]
+    p2p = max((priced[0].p2p(b) for b in boundaries[1:-1]), default=0.0)
     step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update)
-    rank_peak = [max(peaks[r::pp]) + 0 for r in range(pp)]
     if v > 1:  # a device holds all its stages' state, and its chunks in flight
-        rank_peak = [int(sum(priced.p.state[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b))
-                         + flight[r] * sum(priced.p.saved[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b))
-                         + max(priced.p.transient[k] for a, b in spans[r::pp] for k in priced.p.stage(a, b)))
+        rank_peak = [int(sum(p.sum(p.p.state, a, b) + flight[r] * p.sum(p.p.saved, a, b) for p, a, b in stage[r::pp])
+                         + max(p.p.transient[k] for p, a, b in stage[r::pp] for k in p.p.stage(a, b)))
                      for r in range(pp)]
         peaks = [rank_peak[s % pp] for s in range(S)]
         if budget is not None and max(rank_peak) > budget:
             return None, max(rank_peak)
     slow = max(range(S), key=lambda s: stage_s[s])
-    a, b = spans[slow]
-    comm = microbatches * (priced.sum(priced.p.comm_s, a, b) + v * p2p)
-    recompute = microbatches * priced.sum(priced.p.recompute_s, a, b) * v
-    return (boundaries, tuple(stage_s), tuple(peaks), p2p, bubble, step, comm, recompute), max(peaks)
+    p, a, b = stage[slow]
+    comm = microbatches * (p.sum(p.p.comm_s, a, b) + v * p2p)
+    recompute = microbatches * p.sum(p.p.recompute_s, a, b) * v
+    return (boundaries, choice, tuple(stage_s), tuple(peaks), p2p, bubble, step, comm, recompute), max(peaks)
 
 
 def even_boundaries(num_layers: int, stages: int) -> tuple[int, ...] | None:
@@ -542,16 +590,17 @@ def finish(cand: Candidate, budget: int | None) -> Plan:
     return plan
 
 
-def price_pipeline(inner: Plan, traced, mesh: MeshSpec, axis: int, options: PlanOptions, *, layers: str,
+def price_pipeline(plans: list[PricedPlan], mesh: MeshSpec, axis: int, options: PlanOptions, *, layers: str,
                    num_layers: int, microbatches: int, budget: int | None, schedules: list[str],
-                   boundaries: tuple[int, ...] | None = None, pieces: Pieces | None = None
-                   ) -> tuple[Candidate | None, float]:
-    """The fastest pipeline over ``schedules`` of the intra-stage plan ``inner`` (of the
-    model ``traced`` for one of ``microbatches`` microbatches on the mesh less ``axis``), with
-    its boundaries searched (or ``boundaries``), and the smallest peak seen (bytes)."""
+                   boundaries: tuple[int, ...] | None = None) -> tuple[Candidate | None, float]:
+    """The fastest pipeline over ``schedules`` of an intra-stage plan for one of
+    ``microbatches`` microbatches on the mesh less ``axis``, each stage running one of
+    ``plans`` (the plan with different checkpointing, :func:`mixable`), its boundaries
+    searched (or ``boundaries``), and the smallest peak seen (bytes)."""
     cost_model = options.cost_model or CostModel()
-    pieces = pieces if pieces is not None else aggregate(inner, traced, layers, num_layers, options)
-    priced = _Priced(pieces, *_link(cost_model, mesh, axis))
+    plans = sorted(plans, key=lambda pr: float(pr.pieces.micro_s.sum()))
+    link = _link(cost_model, mesh, axis)
+    priced = [_Priced(pr.pieces, *link) for pr in plans]
     pp = mesh.shape[axis]
     best, low = None, math.inf
     for schedule in schedules:
@@ -562,13 +611,39 @@ def price_pipeline(inner: Plan, traced, mesh: MeshSpec, axis: int, options: Plan
         low = min(low, peak)
         if found is None:
             continue
-        bnd, stage_s, peaks, p2p, bubble, step, comm, recompute = found
+        bnd, choice, stage_s, peaks, p2p, bubble, step, comm, recompute = found
+        if best is not None and step >= best.pipeline.step_s:
+            continue
         pl = PipelinePlan(mesh, axis, layers, tuple(int(b) for b in bnd), microbatches, schedule,
                           tuple(float(x) for x in stage_s), tuple(int(x) for x in peaks), float(p2p), float(bubble),
-                          float(step))
-        if best is None or step < best.pipeline.step_s:
-            best = Candidate(pl, inner, max(peaks), comm, recompute)
+                          float(step), tuple(plans[k].policy for k in choice))
+        best = Candidate(pl, _stage_plan(plans, choice, pl), max(peaks), comm, recompute)
     return best, low
+
+
+def _stage_plan(plans: list[PricedPlan], choice: tuple[int, ...], pl: PipelinePlan) -> Plan:
+    """The intra-stage plan of a pipeline whose stage ``s`` runs ``plans[choice[s]]``: that
+    plan when every stage runs the same, else a copy of the first with each one's
+    checkpoint regions that fall in its stages (each region in the stage of the
+    piece it is counted in, :attr:`Pieces.region_piece`)."""
+    if len(set(choice)) == 1:
+        return plans[choice[0]].plan
+    regions = []
+    for k, pr in enumerate(plans):
+        ck = pr.plan.checkpoint
+        if ck is None:
+            continue
+        for reg, row, piece in zip(ck.regions, ck.table, pr.pieces.region_piece):
+            layer = min(max(piece - 1, 0), pl.boundaries[-1] - 1)  # pre: the first layer's stage, post: the last's
+            if choice[pl.stage_of_layer(layer)] == k:
+                regions.append((reg, row, ck.stages))
+    plan = copy.copy(plans[0].plan)
+    plan.checkpoint = None
+    if regions:
+        regions.sort(key=lambda r: r[0].start)
+        plan.checkpoint = CheckpointPlan(dict(regions[0][2]), tuple(r[0] for r in regions), [r[1] for r in regions],
+                                         sum(r[1].recompute_s for r in regions))
+    return plan
 
 
 def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: PlanOptions, *, layers: str,
@@ -670,7 +745,10 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
        step 1's split is already its fastest split without a memory limit (``free``): the same
        strategies plus recomputation take no less per microbatch in any piece, so no split of
        theirs beats ``free`` (exact). They let a split that memory unbalanced in step 1 even
-       out, or fit where step 1 does not;
+       out, or fit where step 1 does not. Where the solves kept step 1's strategies
+       (:func:`mixable`), a split whose every stage picks its own checkpointing among the three
+       is searched too (:func:`split`): under 1F1B the first stage holds ``pp`` microbatches in
+       flight and the last one, so the last may run without recomputation where the first needs it;
     3. only when neither fits, the plan solved again under the budget that leaves a stage its
        share, ``budget + state · (pp − 1) / pp`` (the whole model's parameters, gradients and
        optimizer states, of which a stage holds ``1/pp``), once. The memory search sizes its
@@ -687,7 +765,6 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
     low = math.inf
 
     def solve(inner_budget, checkpointing, per_layer=False):
-        nonlocal low
         prepared.planner.checkpoint_per_layer = per_layer
         try:
             inner = plan_traced(traced, sub, replace(inner_options, memory_budget=inner_budget,
@@ -697,18 +774,22 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
             return None, None
         finally:
             prepared.planner.checkpoint_per_layer = False
-        pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
-        kw = dict(layers=layers, num_layers=num_layers, microbatches=micro, schedules=schedules,
-                  boundaries=boundaries, pieces=pieces)
-        cand, peak = price_pipeline(inner, traced, mesh, axis, options, budget=budget, **kw)
-        low = min(low, peak)
-        return cand, kw | {"inner": inner}
+        pr = priced_plan(inner, aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory),
+                         checkpointing)
+        return price(pr, budget=budget), pr
 
-    cand, kw = solve("unlimited", inner_options.checkpointing)
-    if kw is None or budget is None:
+    def price(*plans, budget):
+        nonlocal low
+        cand, peak = price_pipeline(list(plans), mesh, axis, options, budget=budget, layers=layers,
+                                    num_layers=num_layers, microbatches=micro, schedules=schedules,
+                                    boundaries=boundaries)
+        low = min(low, peak)
+        return cand
+
+    cand, fastest = solve("unlimited", inner_options.checkpointing)
+    if fastest is None or budget is None:
         return cand, low
-    inner = kw.pop("inner")
-    free, _ = price_pipeline(inner, traced, mesh, axis, options, budget=None, **kw)
+    free = price(fastest, budget=None)
     target = min(bound, cand.pipeline.step_s if cand is not None else math.inf)
     if free is None or free.pipeline.step_s >= target * (1 - 1e-9):
         if cand is None:
@@ -717,13 +798,20 @@ def _search_at(traced, mesh, sub, axis, options, inner_options, budget, layers, 
                      units.seconds(free.pipeline.step_s) if free else "-", units.seconds(bound))
         return cand, low
     if inner_options.checkpointing == "auto":
+        alts, mixed = [], [fastest]
         for policy in LAYER_CHECKPOINTING:
-            alt, _ = solve("unlimited", policy, per_layer=True)
+            alt, pr = solve("unlimited", policy, per_layer=True)
+            alts.append(alt)
+            if pr is not None and mixable(fastest, pr):
+                mixed.append(pr)
+        if len(mixed) > 1:  # first: of equal steps, the one recomputing only where a stage needs it
+            alts.insert(0, price(*mixed, budget=budget))
+        for alt in alts:
             if alt is not None and (cand is None or alt.pipeline.step_s < cand.pipeline.step_s):
                 cand = alt
     if cand is not None:
         return cand, low
-    alt, _ = solve(int(budget + float(kw["pieces"].state.sum()) * (pp - 1) / pp), inner_options.checkpointing)
+    alt, _ = solve(int(budget + float(fastest.pieces.state.sum()) * (pp - 1) / pp), inner_options.checkpointing)
     return alt, low
 
 
@@ -777,9 +865,9 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
             prepared.planner.checkpoint_per_layer = ck == "full"
             inner = plan_traced(traced, sub, replace(inner_options, checkpointing=ck), prepared=prepared)
             pieces = aggregate(inner, traced, layers, num_layers, options, memory=prepared.planner.memory)
-            cand, peak = price_pipeline(inner, traced, mesh, axis, options, layers=layers, num_layers=num_layers,
-                                        microbatches=micro, budget=budget, schedules=["1F1B"], boundaries=even,
-                                        pieces=pieces)
+            cand, peak = price_pipeline([priced_plan(inner, pieces, ck)], mesh, axis, options, layers=layers,
+                                        num_layers=num_layers, microbatches=micro, budget=budget, schedules=["1F1B"],
+                                        boundaries=even)
             low = min(low, peak)
             if cand is not None:
                 break
