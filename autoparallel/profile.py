@@ -312,7 +312,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
     so processes that share cores (4 ranks on 2 cores) measure their share and not a lucky
     slice alone. Memory: the device's total, or on CPU the host's divided by
-    ``ranks_on_host``. Roofline use: Williams, Waterman, Patterson, CACM 2009.
+    ``ranks_on_host``. Core share: on CPU, the cores over ``ranks_on_host`` times the
+    intra-op threads, at most 1 (:func:`_core_share`). Roofline use: Williams, Waterman, Patterson, CACM 2009.
 
     Args:
         device: a ``torch.device`` or its string.
@@ -360,9 +361,19 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
     bw, overhead, dtensor, attention = measured
     link, host_bw = _host_rates(device, bw, share)
     rates = DevicePreset(f"measured {_device_name(device.type)}", fp32, half, bw, float(memory), overhead, dtensor,
-                         attention, host_link_bw=link, host_mem_bw=host_bw)
+                         attention, host_link_bw=link, host_mem_bw=host_bw,
+                         core_share=_core_share(device, ranks_on_host))
     together()
     return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates))
+
+
+def _core_share(device: torch.device, ranks_on_host: int) -> float:
+    """The share of a core each compute thread gets with every rank of the host busy: the
+    cores this process may run on over ``ranks_on_host`` times its intra-op threads, at
+    most 1; 1 on a GPU (:attr:`DevicePreset.core_share`)."""
+    if device.type != "cpu":
+        return 1.0
+    return min(1.0, len(os.sched_getaffinity(0)) / (max(1, ranks_on_host) * torch.get_num_threads()))
 
 
 def _host_rates(device: torch.device, device_bw: float, seconds: float) -> tuple[float, float]:

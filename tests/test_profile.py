@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 
 import pytest
@@ -242,6 +243,8 @@ def test_calibration_measures_the_op_overhead_and_efficiencies():
     assert 1e-8 < rates.op_overhead < 1e-3, rates
     assert 0.02 < rates.attention_efficiency < 5 and rates.attention_efficiency != 1.0, rates
     assert 0.05 < rates.step_efficiency < 5 and rates.step_efficiency != 1.0, rates
+    threads = torch.get_num_threads()
+    assert rates.core_share == min(1.0, len(os.sched_getaffinity(0)) / threads)
 
 
 # ------------------------------------------------------------------ real processes

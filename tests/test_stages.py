@@ -194,6 +194,24 @@ def test_checkpointing_is_chosen_per_stage():
     validate_plan(mixed, traced)
 
 
+def test_ranks_idle_in_the_bubble_lend_their_cores():
+    """Four ranks on two cores (core_share 0.5), pp = 4 and 4 microbatches: a 3/7 bubble, so
+    on average 16/7 ranks are busy, each with 7/8 of a core instead of the calibrated half: the
+    microbatches run 1.75 times faster."""
+    from autoparallel.solver.costs import DevicePreset
+
+    whole, bubble = stages.step_model("1F1B", 4, 1, 4, [1.0], 0.0, [0.0])
+    shared, same = stages.step_model("1F1B", 4, 1, 4, [1.0], 0.0, [0.0], core_share=0.5)
+    assert (whole, bubble, same) == (7.0, 3 / 7, 3 / 7) and shared == pytest.approx(4.0)
+    # 0.9 of a core with every rank busy, a whole one with 80 % of them busy
+    assert stages.step_model("1F1B", 2, 1, 4, [1.0], 0.0, [0.0], core_share=0.9)[0] == pytest.approx(4.5)
+    preset = DevicePreset("d", 1e12, 1e12, 1e11, 2**30, core_share=0.5)
+    assert DevicePreset.from_json(preset.to_json()) == preset
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="core_share"):
+            DevicePreset("d", 1e12, 1e12, 1e11, 2**30, core_share=bad)
+
+
 def test_microbatch_counts_are_tried_from_the_largest_down(monkeypatch):
     seen = []
     real = stages._search_at

@@ -91,6 +91,11 @@ class DevicePreset:
             left in memory, allocates its output beside the saved activations, and runs through
             the autograd engine. :meth:`CostModel.compute_time` divides by it; 1 takes the
             roofline as it is.
+        core_share: the share of a CPU core each compute thread had while these rates were
+            measured: the host's cores over its ranks' threads, at most 1 (1 on a GPU, or
+            where threads do not outnumber cores). Rates measured with every rank busy on
+            shared cores are each rank's share; a pipeline schedule, whose idle ranks lend
+            their cores, reads it (:func:`autoparallel.solver.stages.step_model`).
 
     Raises:
         TypeError: a name that is not a string or a rate that is not a number.
@@ -109,6 +114,7 @@ class DevicePreset:
     step_efficiency: float = 1.0
     host_link_bw: float = 25e9
     host_mem_bw: float = 1e11
+    core_share: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -120,6 +126,8 @@ class DevicePreset:
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"DevicePreset: {what} must be positive and finite, got {v!r}")
+        if not (isinstance(self.core_share, numbers.Real) and 0 < self.core_share <= 1):
+            raise ValueError(f"DevicePreset: core_share must be a number in (0, 1], got {self.core_share!r}")
         for what in ("op_overhead", "dtensor_op_overhead"):
             v = getattr(self, what)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
@@ -139,7 +147,7 @@ class DevicePreset:
         """
         names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead",
                  "attention_efficiency", "step_efficiency")
-        host = ("host_link_bw", "host_mem_bw")  # absent from presets saved before host offload
+        host = ("host_link_bw", "host_mem_bw", "core_share")  # absent from presets saved before they were measured
         if not isinstance(d, dict) or not set(names) <= set(d) <= set(names + host):
             raise ValueError(f"a device preset must be an object with the fields {names + host}, not {d!r}")
         try:
@@ -255,9 +263,10 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 6  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+PROFILE_FORMAT = 7  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
 #                    5: DevicePreset.attention_efficiency and step_efficiency;
-#                    6: calibration phases run on every rank at once, the slowest rank's rates together
+#                    6: calibration phases run on every rank at once, the slowest rank's rates together;
+#                    7: DevicePreset.core_share, attention timed beside the peak-size matmul
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:

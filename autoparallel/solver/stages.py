@@ -385,14 +385,23 @@ def in_flight(schedule: str, pp: int, v: int, microbatches: int) -> list[float]:
 
 
 def step_model(schedule: str, pp: int, v: int, microbatches: int, rank_s: list[float], p2p_s: float,
-               update_s: list[float]) -> tuple[float, float]:
+               update_s: list[float], core_share: float = 1.0) -> tuple[float, float]:
     """``(step seconds, bubble fraction)`` of a schedule (module docstring): ``rank_s`` per
     device the forward + backward of one microbatch over its stages, ``p2p_s`` one boundary's
-    sends (forward and backward), ``update_s`` per device its once-per-step work."""
+    sends (forward and backward), ``update_s`` per device its once-per-step work.
+
+    ``core_share`` (:attr:`~.costs.DevicePreset.core_share`): below 1, ranks share CPU cores
+    and ``rank_s`` was priced at rates measured with every rank busy. A rank idle in the
+    bubble lends its core: on average a fraction ``1 − bubble`` of the ranks is busy, each
+    with ``min(1, core_share / (1 − bubble))`` of a core, so the microbatches run
+    ``min(1, core_share / (1 − bubble)) / core_share`` times faster. (Four ranks on two
+    cores, pp = 4, a 43 % bubble: 1.75 times; the step was estimated at +59 % without it.)"""
     fill = (pp - 1) / v
-    t = max(rank_s) + v * p2p_s
+    bubble = fill / (microbatches + fill)
+    speedup = min(1.0, core_share / (1 - bubble)) / core_share
+    t = max(rank_s) / speedup + v * p2p_s
     step = (microbatches + fill) * t + max(update_s)
-    return step, fill / (microbatches + fill)
+    return step, bubble
 
 
 class _Priced:
@@ -489,10 +498,11 @@ def split(priced: list[_Priced], stages: int, fits: Callable[[int, int, int, int
 
 
 def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: int, budget: int | None,
-                   boundaries: tuple[int, ...] | None = None):
-    """The pipeline of one schedule and microbatch count over ``priced`` (:func:`split`): its boundaries (searched, or given), each stage's
-    priced plan, per-stage seconds and peaks, step and bubble. ``None`` when no
-    split fits ``budget`` (with the smallest peak reached, for the error)."""
+                   boundaries: tuple[int, ...] | None = None, core_share: float = 1.0):
+    """The pipeline of one schedule and microbatch count over ``priced`` (:func:`split`):
+    its boundaries (searched, or given), each stage's priced plan, per-stage seconds and
+    peaks, step and bubble (:func:`step_model`, with ``core_share``). ``None`` when no split
+    fits ``budget`` (with the smallest peak reached, for the error)."""
     v = 2 if schedule in MULTI_STAGE else 1
     S = pp * v
     flight = in_flight(schedule, pp, v, microbatches)
@@ -524,7 +534,7 @@ def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: 
     rank_s = [sum(stage_s[r::pp]) for r in range(pp)]
     update = [sum(p.sum(p.p.step_s, a, b) for p, a, b in stage[r::pp]) for r in range(pp)]
     p2p = max((priced[0].p2p(b) for b in boundaries[1:-1]), default=0.0)
-    step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update)
+    step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update, core_share)
     if v > 1:  # a device holds all its stages' state, and its chunks in flight
         rank_peak = [int(sum(p.sum(p.p.state, a, b) + flight[r] * p.sum(p.p.saved, a, b) for p, a, b in stage[r::pp])
                          + max(p.p.transient[k] for p, a, b in stage[r::pp] for k in p.p.stage(a, b)))
@@ -607,7 +617,8 @@ def price_pipeline(plans: list[PricedPlan], mesh: MeshSpec, axis: int, options: 
         v = 2 if schedule in MULTI_STAGE else 1
         if pp * v > num_layers:
             continue
-        found, peak = price_schedule(priced, pp, schedule, microbatches, budget, boundaries)
+        found, peak = price_schedule(priced, pp, schedule, microbatches, budget, boundaries,
+                                     cost_model.device.core_share)
         low = min(low, peak)
         if found is None:
             continue
