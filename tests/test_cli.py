@@ -157,22 +157,28 @@ def test_coverage_command(capsys):
 # ---------------------------------------------------------------------- the training recipe
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_train_saves_and_resume_continues_the_losses(tmp_path, capfd):
+@pytest.mark.parametrize("layout", [["--layers", "2"], ["--layers", "6", "--mesh-axes", "pp"]],
+                         ids=["data", "pipeline"])
+def test_train_saves_and_resume_continues_the_losses(tmp_path, capfd, layout):
     """``python -m autoparallel train`` runs examples/train.py under torchrun on 2 gloo processes:
     4 steps saving at step 2, then a run resumed from that checkpoint gives the same losses for
-    steps 3 and 4."""
+    steps 3 and 4; with the mesh axis named ``pp`` as two pipeline stages, every rank reading
+    the global batch and holding its stage's parameters and optimizer state."""
     ckpt = str(tmp_path / "ckpt")
-    common = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch", "8", "--seq", "16",
-              "--mesh", "2", "--cost-model", "cpu", "--cache", "off", "--steps", "4", "--checkpoint-dir", ckpt]
+    common = ["--model", "gpt2", "--hidden", "64", "--vocab", "128", "--batch", "8", "--seq", "16", "--mesh", "2",
+              "--cost-model", "cpu", "--cache", "off", "--steps", "4", "--checkpoint-dir", ckpt, *layout]
+    printed = []
 
     def losses() -> list[float]:
         out = capfd.readouterr().out
+        printed.append(out)
         line = [x for x in out.splitlines() if x.startswith("losses: ")]
         assert line, out[-2000:]
         return json.loads(line[-1].removeprefix("losses: "))
 
     assert main(["train", *common, "--save-at", "2"]) == 0
     full = losses()
+    assert ("pipeline over mesh axis pp (2 devices)" in printed[0]) == ("pp" in layout)
     assert len(full) == 4 and all(math.isfinite(x) for x in full)
     assert main(["train", *common, "--resume"]) == 0
     assert losses() == full[2:]
