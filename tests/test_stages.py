@@ -195,16 +195,18 @@ def test_checkpointing_is_chosen_per_stage():
 
 
 def test_ranks_idle_in_the_bubble_lend_their_cores():
-    """Four ranks on two cores (core_share 0.5), pp = 4 and 4 microbatches: a 3/7 bubble, so
-    on average 16/7 ranks are busy, each with 7/8 of a core instead of the calibrated half: the
-    microbatches run 1.75 times faster."""
+    """Four ranks on two cores (core_share 0.5), pp = 4 and 4 microbatches: of the 7 slots, 2
+    have one rank busy and 2 have two (each with a whole core, twice the calibrated speed), 2
+    have three (4/3) and 1 all four: 4.5 slots' time. Ranks with a core each: the formula."""
     from autoparallel.solver.costs import DevicePreset
 
     whole, bubble = stages.step_model("1F1B", 4, 1, 4, [1.0], 0.0, [0.0])
     shared, same = stages.step_model("1F1B", 4, 1, 4, [1.0], 0.0, [0.0], core_share=0.5)
-    assert (whole, bubble, same) == (7.0, 3 / 7, 3 / 7) and shared == pytest.approx(4.0)
-    # 0.9 of a core with every rank busy, a whole one with 80 % of them busy
-    assert stages.step_model("1F1B", 2, 1, 4, [1.0], 0.0, [0.0], core_share=0.9)[0] == pytest.approx(4.5)
+    assert (whole, bubble, same) == (7.0, 3 / 7, 3 / 7) and shared == pytest.approx(4.5)
+    # two stages of two ranks each on two cores: the fill and drain slots run twice as fast
+    assert stages.step_model("1F1B", 2, 1, 4, [1.0], 0.0, [0.0], core_share=0.5)[0] == pytest.approx(4.0)
+    # interleaved, a core each: (M + (p - 1) / v) slots of t plus the sends and the update
+    assert stages.step_model("Interleaved1F1B", 2, 2, 4, [1.0], 0.1, [0.5])[0] == pytest.approx(4.5 * 1.2 + 0.5)
     preset = DevicePreset("d", 1e12, 1e12, 1e11, 2**30, core_share=0.5)
     assert DevicePreset.from_json(preset.to_json()) == preset
     for bad in (0.0, 1.5):
