@@ -349,13 +349,14 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
         together()
         peaks.append(_matmul_rate(device, dtype, share))
     (fp32, n32), (half, n16) = peaks
+    n_attention = n32 if device.type == "cpu" else n16  # the dtype SDPA is timed in
     if device.type == "cpu":
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_on_host)
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
     measured = []
     for phase in (lambda: _memory_rate(device, share, ranks_on_host), lambda: _op_overhead(device),
-                  lambda: _dtensor_op_overhead(device), lambda: _attention_efficiency(device, n32 if device.type == "cpu" else n16)):
+                  lambda: _dtensor_op_overhead(device), lambda: _attention_efficiency(device, n_attention)):
         together()
         measured.append(phase())
     bw, overhead, dtensor, attention = measured

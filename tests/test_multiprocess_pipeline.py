@@ -3,8 +3,9 @@ trains one step with ``model.step()`` and SGD: the loss, every gradient and ever
 the step equal the single-device model's (each rank checks the parameters its stages hold), for
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
-recomputed within it (in every stage, or in the one the budget needs it in); ``clip_grad_norm_`` clips by the whole model's norm; and
-``torch.distributed.checkpoint`` saves and loads every stage's parameters."""
+recomputed within it (in every stage, or in the one stage the budget needs it in);
+``clip_grad_norm_`` clips by the whole model's norm; and ``torch.distributed.checkpoint`` saves
+and loads every stage's parameters."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _close(what, got, want):
                                msg=lambda m: f"rank {dist.get_rank()} {what}: {m}")
 
 
-def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=None, stage_checkpointing=None, **options):
+def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=None, stage_checkpointing=None,
+          **options):
     import autoparallel
     import models
 
