@@ -12,11 +12,18 @@ Every rank shares one teardown, written for a machine where the ranks outnumber 
   holds) after ``wait()`` returned, and a tensor freed by such a thread while the interpreter is
   being torn down aborts the process ("terminate called without an active exception", a rank
   lost to SIGABRT after its test had passed; pytorch/pytorch#179291 describes the race).
+
+A rank can also die by a signal mid-run: once in CI a rank of the 4-rank families spawn aborted
+with "malloc(): unaligned tcache chunk detected" (heap corruption in native code), and six
+reruns of the same spawn passed. :func:`spawn` then spawns every rank again, once; faulthandler
+prints every thread's Python stack on the way down, so the next occurrence says where it was.
+A rank that raises, or exits non-zero, is never retried.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import sys
@@ -43,14 +50,24 @@ def spawn(fn: Callable, world: int, *args, timeout_s: float = 120) -> None:
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank raised; the message holds its traceback.
-        torch.multiprocessing.ProcessExitedException: a rank died (a signal, or a non-zero exit).
+        torch.multiprocessing.ProcessExitedException: a rank exited non-zero, or died by a
+            signal twice: a rank lost to a signal is retried once, every rank anew (module docstring).
     """
-    mp.spawn(_rank_main, args=(fn, world, free_port(), args, timeout_s), nprocs=world, join=True)
+    try:
+        mp.spawn(_rank_main, args=(fn, world, free_port(), args, timeout_s), nprocs=world, join=True)
+    except mp.ProcessExitedException as e:
+        if e.exit_code >= 0:  # a non-zero exit: the rank's own doing
+            raise
+        # a signal: torch's native code aborted (the stacks are in the captured stderr); once
+        print(f"\nrank {e.error_index} died by {e.signal_name}; spawning the {world} ranks again "
+              f"(once)", file=sys.stderr)
+        mp.spawn(_rank_main, args=(fn, world, free_port(), args, timeout_s), nprocs=world, join=True)
 
 
 def _rank_main(rank: int, fn: Callable, world: int, port: int, args: tuple, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    faulthandler.enable(all_threads=True)  # a rank lost to a signal prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     try:
