@@ -9,8 +9,8 @@ submodule of the LightningModule (``lightning_module.model`` by default) before 
 calls ``configure_optimizers``, so the optimizer holds the parallel parameters. Checkpoints,
 ``reduce``/``barrier``/``broadcast`` and gradient clipping by norm (on DTensor gradients) are
 the parent's; this module adds the planning, the launcher of ``start_method="spawn"``, the
-sampler of the plan's inputs, ``no_sync`` for gradient accumulation, and loading checkpoints
-of plans that keep plain tensors.
+sampler of the plan's inputs, ``no_sync`` for gradient accumulation, loading checkpoints
+of plans that keep plain tensors, and training through ``model.step()`` (pipeline stages).
 
 Lightning is an optional dependency (``pip install autoparallel[lightning]``):
 ``import autoparallel`` does not import this module.
@@ -32,14 +32,17 @@ from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _rekey_optimizer_state_if_needed
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from .api import autoparallelize
 from .codegen import ParallelModule
 from .fqn import get_attr
+from .solver.stages import PP_AXIS
 
 __all__ = ["AutoParallelStrategy"]
 
@@ -54,7 +57,11 @@ class AutoParallelStrategy(ModelParallelStrategy):
     what ``training_step`` backpropagates, the loss, computed from the batch inside it
     (``self.model(x, y)``, a Hugging Face model called with ``labels``): with the default
     ``inputs="local"`` each rank passes its own batch and the module computes on the global
-    batch, so a loss computed outside it from a local target would mix the two.
+    batch, so a loss computed outside it from a local target would mix the two. A plan with
+    pipeline stages (a mesh axis named ``"pp"``, or ``pipeline="auto"``) trains only through
+    ``return self.model.step(*batch)`` in ``training_step``, which serves every plan: its
+    gradients are kept from Lightning's ``zero_grad`` (:meth:`training_step`), clipping by
+    norm takes every stage's, and every rank reads the global batch (``inputs="global"``).
 
     Args:
         meta_inputs: the submodule's call arguments as meta tensors (dict of keyword arguments
@@ -80,8 +87,9 @@ class AutoParallelStrategy(ModelParallelStrategy):
             ``mp_policy=``, ``replan=``, ``plan=``, ...); ``inputs`` defaults to ``"local"``
             (Lightning's DistributedSampler gives every rank its own batch), unless given as
             a keyword, by ``options=PlanOptions(...)`` (whose own default is ``"global"``) or by
-            a ``plan``; under ``"global"`` every rank draws the same batch, of ``meta_inputs``'
-            shapes.
+            a ``plan``, and is ``"global"`` when ``mesh_dim_names`` holds ``"pp"`` or
+            ``pipeline="auto"``; under ``"global"`` every rank draws the same batch, of
+            ``meta_inputs``' shapes.
 
     Raises (in ``Trainer.fit``/``validate``):
         AttributeError: the LightningModule has no submodule ``module``.
@@ -106,8 +114,11 @@ class AutoParallelStrategy(ModelParallelStrategy):
         self._mesh_dim_names = mesh_dim_names
         self._start_method = start_method
         if "inputs" not in autoparallel_options and autoparallel_options.get("options") is None:
-            autoparallel_options["inputs"] = "local"  # else the keyword or the PlanOptions says
+            # else the keyword or the PlanOptions says; pipeline stages read the global batch
+            staged = PP_AXIS in (mesh_dim_names or ()) or autoparallel_options.get("pipeline") == "auto"
+            autoparallel_options["inputs"] = "global" if staged else "local"
         self._autoparallel_options = autoparallel_options
+        self._held_grads: list | None = None  # (parameter, gradient) of a step() until backward()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -170,6 +181,8 @@ class AutoParallelStrategy(ModelParallelStrategy):
                             "and pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) to the strategy "
                             f"for mixed precision (got precision={self.precision_plugin.precision!r})")
         self.accelerator.setup(trainer)
+        if type(self.precision_plugin) is Precision:  # "32-true": clipping by the whole model's norm
+            self.precision_plugin = _WholeModelNorm(self)
         _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.model = self._setup_model(self.model)
@@ -196,6 +209,57 @@ class AutoParallelStrategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``training_step``. Under automatic optimization, one that
+        trains through ``model.step(...)`` (which runs the backward: a pipelined plan trains
+        only through it) starts from no gradients, as the backward Lightning runs after
+        ``zero_grad`` does, and the gradients it leaves are held until :meth:`backward`, out
+        of reach of that ``zero_grad``; the last step's stay for it."""
+        modules = [m for m in self.lightning_module.modules() if isinstance(m, ParallelModule)]
+        if not self.lightning_module.automatic_optimization or not modules:
+            return super().training_step(*args, **kwargs)
+        last = [(p, p.grad) for m in modules for p in m.parameters()]
+        for p, _ in last:
+            p.grad = None
+        out = super().training_step(*args, **kwargs)
+        stepped = [m for m in modules if m._ap.stepped]
+        for m in stepped:
+            m._ap.stepped = False
+        if stepped:
+            self._held_grads = [(p, p.grad) for m in stepped for p in m.parameters()]
+        for p, grad in last:
+            if stepped or p.grad is None:
+                p.grad = grad
+        return out
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The parent's backward; after a training step through ``model.step(...)``, its
+        gradients put back and the hooks alone (``on_before_backward``, ``on_after_backward``),
+        plus the backward of whatever else the returned loss requires grad through.
+
+        Raises:
+            MisconfigurationException: ``Trainer(accumulate_grad_batches=k > 1)`` with
+                ``step()``: Lightning divides the loss by ``k`` before its backward, which
+                ``step()`` has run undivided (a pipeline accumulates over its microbatches:
+                raise ``microbatches`` instead)."""
+        held, self._held_grads = self._held_grads, None
+        if held is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.lightning_module.trainer.accumulate_grad_batches > 1:
+            raise MisconfigurationException(
+                "model.step() runs the backward of its loss undivided, and Trainer(accumulate_grad_batches=k) "
+                "needs it divided by k: call the module and return its loss (unpipelined plans), or accumulate "
+                "over more microbatches (autoparallel's microbatches=)")
+        for p, grad in held:
+            p.grad = grad
+        if closure_loss.requires_grad:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -241,6 +305,28 @@ class AutoParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=_rekey_optimizer_state_if_needed(state, model),
                                      options=options)
         return checkpoint
+
+
+class _WholeModelNorm(Precision):
+    """Full precision whose clipping by norm takes the whole model's norm: a pipelined module's
+    :meth:`~autoparallel.codegen.ParallelModule.clip_grad_norm_` (every stage's gradients,
+    combined over the pipeline axis); torch's ``clip_grad_norm_`` otherwise, as the parent's."""
+
+    def __init__(self, strategy: AutoParallelStrategy) -> None:
+        super().__init__()
+        self._strategy = strategy
+
+    def clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+        """Raises:
+            ValueError: a pipelined module's optimizer holding other parameters than the
+                module's own (the norm would leave them out, or count them once per stage)."""
+        module = self._strategy.parallel_module
+        if module.plan.pipeline is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        if {id(p) for p in self.main_params(optimizer)} != {id(p) for p in module.parameters()}:
+            raise ValueError(f"gradient clipping by norm of a pipelined module takes the norm over its stages: the "
+                             f"optimizer must hold exactly the parameters of {self._strategy._module_path!r}")
+        module.clip_grad_norm_(clip_val)
 
 
 class _AutoParallelSpawnLauncher(_MultiProcessingLauncher):

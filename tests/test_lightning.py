@@ -3,7 +3,9 @@ trains on 2 gloo processes as on one device, step by step (loss, gradient clippi
 SGD with momentum), validates, saves a checkpoint of either kind and resumes from it (the whole
 one onto another plan) with the losses the single-device run continues with, and accumulates
 gradients over micro-batches; Lightning's own multiprocessing launcher runs it too and hands the
-trained weights back to the main process. ``import autoparallel`` does not import lightning."""
+trained weights back to the main process; pipeline stages (a "pp" axis) train through
+``self.model.step(...)`` as on one device, clipped by the norm over both stages.
+``import autoparallel`` does not import lightning."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ LOCAL_BATCH = 4  # one rank's batch: the global batch is 8
 STEPS_PER_EPOCH = 3
 CLIP = 0.05  # below every step's gradient norm: each step is clipped
 LR, MOMENTUM = 0.1, 0.9
+STEPPED_LR = 1.0  # clipped to CLIP, each step moves every stage's weights well past the tolerance
 
 
 def _data(seed, n):
@@ -196,6 +199,79 @@ def _checks(rank, folder):
 @pytest.mark.multiprocess
 def test_fit_validate_clip_checkpoint_resume_on_gloo_ranks(tmp_path):
     spawn(_checks, WORLD, str(tmp_path), timeout_s=300)
+
+
+class Stepped(Regression):
+    """The training step that runs every plan, pipelined or not: ``self.model.step(...)``
+    (forward and backward), its loss returned for Lightning's hooks and logging."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model.step(*batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=STEPPED_LR, momentum=MOMENTUM)
+
+
+def _deep_mlp():
+    import models
+
+    torch.manual_seed(0)
+    return models.MLP(hidden=HIDDEN, layers=6)  # pipeline stages cut a list of at least 6 alike layers
+
+
+def _pipeline_checks(rank):
+    """A mesh axis named "pp": the MLP's layers in 2 stages, one per rank, 1F1B over 2
+    microbatches; every rank reads the global batch (the sampler over one replica)."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DistributedSampler
+
+    from autoparallel.lightning import AutoParallelStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    n, batch = WORLD * LOCAL_BATCH * STEPS_PER_EPOCH, WORLD * LOCAL_BATCH
+    x, y = _data(1, n)
+    ref = _deep_mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=STEPPED_LR, momentum=MOMENTUM)
+    order = torch.tensor(list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=0)))
+    want = []
+    for index in order.split(batch):
+        opt.zero_grad()
+        loss = ref(x[index], y[index])
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP) > CLIP  # clipped: the norm is tested
+        opt.step()
+        want.append(loss.item())
+
+    meta = (torch.empty(batch, HIDDEN, device="meta"), torch.empty(batch, HIDDEN, device="meta"))
+    def strategy():
+        return AutoParallelStrategy(meta, mesh_dim_names=("pp",), microbatches=2, schedule="1F1B", cache_dir=False)
+
+    lm = Stepped(_deep_mlp())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+    _trainer(strategy(), epochs=1).fit(lm, loader)
+    pipeline = lm.model.plan.pipeline
+    assert pipeline is not None and pipeline.stages == WORLD, lm.model.plan
+    _losses("pipelined losses", lm.losses, want)
+    ref_params = dict(ref.named_parameters())
+    held = dict(lm.model.named_parameters())
+    assert held and all(f"layers.{layer}." in name for name in held
+                        for layer in [int(name.split(".")[1])]
+                        if pipeline.stage_of_layer(layer) == rank), sorted(held)
+    initial = dict(_deep_mlp().named_parameters())
+    for name, p in held.items():  # each rank its own stage's
+        _close(f"{name} after a pipelined epoch", p.detach(), ref_params[name].detach())
+    moved = sum(float((p.detach() - initial[name]).norm()) for name, p in held.items())
+    assert moved > 1e-2, f"this stage's weights moved by {moved:.3g}: no training"
+
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches"):
+        _trainer(strategy(), epochs=1, accumulate_grad_batches=2).fit(Stepped(_deep_mlp()), loader)
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_train_through_step_on_gloo_ranks():
+    spawn(_pipeline_checks, WORLD, timeout_s=300)
 
 
 @pytest.mark.multiprocess

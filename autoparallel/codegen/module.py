@@ -227,6 +227,7 @@ class _State:
     eager: EagerRunner = field(default_factory=EagerRunner)
     no_sync: bool = False
     pipeline: object = None
+    stepped: bool = False  # step() ran a backward since a trainer last looked (autoparallel.lightning)
 
 
 class ParallelModule(NotPicklable, nn.Module):
@@ -369,7 +370,9 @@ class ParallelModule(NotPicklable, nn.Module):
             InputMismatchError: a pipelined module called with inputs it was not planned for.
         """
         if self._ap.pipeline is not None:
-            return self._ap.pipeline.step(args, kwargs)
+            loss = self._ap.pipeline.step(args, kwargs)
+            self._ap.stepped = True
+            return loss
         out = self(*args, **kwargs)
         loss = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.dim() == 0
                      and x.is_floating_point()), None)
@@ -378,6 +381,7 @@ class ParallelModule(NotPicklable, nn.Module):
                                     "returned no 0-d floating tensor (pass labels, or call the module and "
                                     "backpropagate your own loss)")
         loss.backward()
+        self._ap.stepped = True
         return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
