@@ -36,7 +36,7 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.10.0"  # 0.10.0: selective regions, host offload, recomputation tried on the fastest plan; 0.9.0: typed records
+VERSION = "0.11.0"  # 0.11.0: the vocab-parallel loss modelled with one gradient buffer; 0.10.0: selective regions, host offload, recomputation tried on the fastest plan; 0.9.0: typed records
 # 0.8.1: an SDPA reading repeated key/value keeps them unrepeated (rewrites.gqa)
 # 0.8.0: SDPA FLOPs counted and priced at attention_efficiency; views that move no data priced as calls only
 # 0.7.0: DTensor's optimizer overhead one fixed charge (replicated plans hold plain parameters)

@@ -36,7 +36,8 @@ def _llama_vocab_128k(layers=2):
 def test_cross_entropy_saves_the_log_probabilities_once_and_split():
     """The loss's saved log-softmax is one tensor the size of the logits (not two, not whole
     when the logits are split): 62.6 GiB of logits of batch 64 x 2048 on one device, 1/64 of
-    that split over 64 devices."""
+    that split over 64 devices; the gradient buffer of that log-softmax only where autograd
+    makes one."""
     model = _llama_vocab_128k(layers=1)
     ids = torch.empty(64, 2048, dtype=torch.long, device="meta")
     traced = ColoTracer().trace(model, {"input_ids": ids, "labels": ids})
@@ -52,6 +53,11 @@ def test_cross_entropy_saves_the_log_probabilities_once_and_split():
     assert len(big) == 1
     assert big[0].size(whole) == logits
     assert big[0].size(split) == logits // 64
+    # no buffer for its gradient inside the backward: with the classes whole the fused kernel
+    # runs, with them split the vocab-parallel loss; both write the logits' gradient directly
+    gradient = [it for it in mm.items if it.owner is ce and it.kind == "temporaries" and it.start == it.end]
+    vocab = next(s for s in strategies[ce] if any(isinstance(p, Shard) and p.dim == 1 for p in s.inputs[0]))
+    assert gradient and all(it.size(s) < 2**20 for it in gradient for s in (whole, split, vocab))  # the loss's: 4 B
 
 
 @pytest.mark.slow  # about 10 s: plans the 8B's width on 8 x 8
