@@ -33,14 +33,19 @@ def gpt2():
     return model, to_meta(batch_for("gpt2", 0, batch=4, seq=32))
 
 
-def test_offloaded_when_device_memory_is_short(gpt2):
+@pytest.fixture(scope="module")
+def need(gpt2):
+    """The smallest peak GPT-2 reaches on 2 devices without offload (one failed search, shared)."""
+    return _smallest_without_offload(*gpt2, (2,))
+
+
+def test_offloaded_when_device_memory_is_short(gpt2, need):
     """Not while the fastest plan fits; below the smallest peak reachable on the device, the
     only plans that fit offload; in between, offloading wins where it is faster than
     recomputing (host copies of these small parameters cost little)."""
     model, inputs = gpt2
     free = autoparallel.plan(model, inputs, mesh_shape=(2,), **KW)
     assert free.offloaded == ()
-    need = _smallest_without_offload(model, inputs, (2,))
     at_need = autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=need, **KW)
     kept = autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget=need, offload=False, **KW)
     assert at_need.estimate.step_time_s <= kept.estimate.step_time_s
@@ -53,9 +58,8 @@ def test_offloaded_when_device_memory_is_short(gpt2):
     assert tight.estimate.step_time_s > free.estimate.step_time_s  # host copies and a host step cost time
 
 
-def test_offload_off_raises_and_says_so(gpt2):
+def test_offload_off_raises_and_says_so(gpt2, need):
     model, inputs = gpt2
-    need = _smallest_without_offload(model, inputs, (2,))
     with pytest.raises(InfeasiblePlanError, match="even with parameters offloaded"):
         autoparallel.plan(model, inputs, mesh_shape=(2,), memory_budget="64KiB", **KW)
     with pytest.raises(InfeasiblePlanError) as err:

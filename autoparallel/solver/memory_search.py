@@ -129,7 +129,8 @@ class MemorySearch:
                   forward_s: Callable[[fx.Node, Strategy], float]):
         """Stage 2: Rotor on stage-1 plans of decreasing allowance (the fastest plan, then
         allowances of 3/4, 1/2 and 1/4 of the way from its peak down to ``budget`` and of 7/8,
-        3/4, ..., 1/4 of its peak, those not below ``budget``); the first whose recomputation
+        3/4, ..., 1/4 of its peak, those not below ``budget``, the former only where 1 % of
+        the peak or more from any of the latter); the first whose recomputation
         schedule fits wins. The smallest reachable peak an infeasible budget reports is over the
         latter, which do not depend on ``budget``: planning again at that peak meets the plan
         that reached it (its allowance is at least that peak).
@@ -147,7 +148,10 @@ class MemorySearch:
         top = self.memory.estimate(free[0]).peak_bytes
         reachable = []
         fixed_fractions = {int(f * top) for f in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25) if f * top >= budget}
-        toward_budget = {int(budget + f * (top - budget)) for f in (0.75, 0.5, 0.25)}
+        # one within 1 % of the peak of a fixed fraction is a search already run (a budget far
+        # below the peak: 3 of 9 searches, each up to max_rounds solves, only to fail)
+        toward_budget = {a for a in (int(budget + f * (top - budget)) for f in (0.75, 0.5, 0.25))
+                         if all(abs(a - b) > 0.01 * top for b in fixed_fractions)}
         for allowance in [None] + sorted(fixed_fractions | toward_budget, reverse=True):
             found = free if allowance is None else self.stage1(allowance)
             if found is None:
