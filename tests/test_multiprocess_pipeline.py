@@ -3,7 +3,8 @@ trains one step with ``model.step()`` and SGD: the loss, every gradient and ever
 the step equal the single-device model's (each rank checks the parameters its stages hold), for
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
-recomputed within it (in every stage, or in the one stage the budget needs it in);
+recomputed within it (in every stage, in the one stage the budget needs it in, or in one of
+the two stages a device runs and holds together);
 ``clip_grad_norm_`` clips by the whole model's norm; and ``torch.distributed.checkpoint`` saves
 and loads every stage's parameters."""
 
@@ -52,7 +53,9 @@ def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=
                                          cache_dir=False, schedule=schedule, microbatches=microbatches, **options)
     pipeline = model.plan.pipeline
     assert (pipeline.schedule, pipeline.microbatches) == (schedule, microbatches)
-    if stage_checkpointing is not None:
+    if stage_checkpointing == "mixed":
+        assert "off" in pipeline.checkpointing and set(pipeline.checkpointing) != {"off"}, pipeline
+    elif stage_checkpointing is not None:
         assert pipeline.checkpointing == stage_checkpointing, pipeline
     if options.get("checkpointing") == "full":
         assert model.plan.checkpoint and "checkpoint" in model.graph_module.code
@@ -113,7 +116,8 @@ def _pp_dp(rank, folder):
     _case(mesh, "gpt2", "1F1B", 2, shard=False, save_to=f"{folder}/replicated", budget_share=0.85,
           stage_checkpointing=("full", "off"))
     _case(mesh, "gpt2", "GPipe", 4, shard=True, save_to=f"{folder}/sharded", checkpointing="full")
-    _case(mesh, "llama", "Interleaved1F1B", 2, shard=False)
+    # two stages per device, which together overflow the budget: one recomputes, another not
+    _case(mesh, "llama", "Interleaved1F1B", 2, shard=False, budget_share=0.8, stage_checkpointing="mixed")
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)
 
 

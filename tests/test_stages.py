@@ -194,6 +194,21 @@ def test_checkpointing_is_chosen_per_stage():
     validate_plan(mixed, traced)
 
 
+def test_checkpointing_is_chosen_per_stage_on_devices_of_several_stages():
+    """Interleaved1F1B: each device runs two stages and holds both. Each stage fits the budget
+    alone unrecomputed, the two together do not: one of them recomputes, the others do not
+    (``fit_ranks``), faster than either policy on every stage (25.2 ms against 29.2 ms
+    selective and 30.3 ms full at 0.8 x the fastest plan's device peak)."""
+    mesh, kw = MeshSpec((2, 2), ("pp", "tp")), dict(microbatches=4, schedule="Interleaved1F1B")
+    free = plan(llama(12), batch(16, 256), mesh, **kw)
+    budget = int(0.8 * max(free.pipeline.stage_peak_bytes))
+    pl = plan(llama(12), batch(16, 256), mesh, memory_budget=budget, **kw).pipeline
+    assert "off" in pl.checkpointing and set(pl.checkpointing) != {"off"}, pl
+    assert max(pl.stage_peak_bytes) <= budget
+    full = plan(llama(12), batch(16, 256), mesh, memory_budget=budget, checkpointing="full", **kw).pipeline
+    assert pl.step_s < 0.9 * full.step_s, (pl.step_s, full.step_s)
+
+
 def test_ranks_idle_in_the_bubble_lend_their_cores():
     """Four ranks on two cores (core_share 0.5), pp = 4 and 4 microbatches: of the 7 slots, 2
     have one rank busy and 2 have two (each with a whole core, twice the calibrated speed), 2

@@ -39,7 +39,10 @@ stage:
    ``post`` to the last, so uneven splits pay when those pieces are heavy. Each stage runs the
    fastest of the plan's checkpointing choices (:class:`PricedPlan`) that fits it (:func:`split`), so
    checkpointing is chosen per stage. ``O(K · S · L²)`` per schedule (``S`` stages, ``L``
-   layers, ``K`` priced plans), each transition O(1) from prefix sums;
+   layers, ``K`` priced plans), each transition O(1) from prefix sums. A device running
+   several stages (Interleaved1F1B, LoopedBFS) holds them all: where the stages that fit
+   alone overflow it together, its stages move to more recomputation one at a time, the
+   fewest seconds added per byte saved first (:func:`fit_ranks`);
 4. the step of each candidate by the schedule's model (:func:`step_model`), and the fastest
    candidate that fits is kept; its plan's ``estimate`` holds the pipelined step, so that it
    compares fairly with unpipelined plans.
@@ -531,6 +534,11 @@ def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: 
         if -1 in choice:  # given boundaries that do not fit
             return None, lowest(boundaries)
     spans = list(zip(boundaries, boundaries[1:]))
+    if v > 1:  # a device holds all its stages' state, and its chunks in flight
+        fitted = fit_ranks(priced, choice, spans, flight, budget)
+        if fitted is None:
+            return None, max(rank_peaks(priced, choice, spans, flight))
+        choice = fitted
     stage = [(priced[k], a, b) for k, (a, b) in zip(choice, spans)]
     stage_s = [p.sum(p.p.micro_s, a, b) for p, a, b in stage]
     peaks = [int(peak(k, s, a, b)) for s, (k, (a, b)) in enumerate(zip(choice, spans))]
@@ -538,18 +546,59 @@ def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: 
     update = [sum(p.sum(p.p.step_s, a, b) for p, a, b in stage[r::pp]) for r in range(pp)]
     p2p = max((priced[0].p2p(b) for b in boundaries[1:-1]), default=0.0)
     step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update, core_share)
-    if v > 1:  # a device holds all its stages' state, and its chunks in flight
-        rank_peak = [int(sum(p.sum(p.p.state, a, b) + flight[r] * p.sum(p.p.saved, a, b) for p, a, b in stage[r::pp])
-                         + max(p.p.transient[k] for p, a, b in stage[r::pp] for k in p.p.stage(a, b)))
-                     for r in range(pp)]
+    if v > 1:
+        rank_peak = rank_peaks(priced, choice, spans, flight)
         peaks = [rank_peak[s % pp] for s in range(S)]
-        if budget is not None and max(rank_peak) > budget:
-            return None, max(rank_peak)
     slow = max(range(S), key=lambda s: stage_s[s])
     p, a, b = stage[slow]
     comm = microbatches * (p.sum(p.p.comm_s, a, b) + v * p2p)
     recompute = microbatches * p.sum(p.p.recompute_s, a, b) * v
     return (boundaries, choice, tuple(stage_s), tuple(peaks), p2p, bubble, step, comm, recompute), max(peaks)
+
+
+def rank_peaks(priced: list[_Priced], choice, spans, flight: list[float]) -> list[int]:
+    """Per device along the pipeline axis, its modelled peak (bytes) when it runs stages
+    ``s, s + pp, ...`` (``spans[s]`` the layers ``[a, b)`` of stage ``s``, ``choice[s]`` its
+    index into ``priced``): every stage's state and its chunks in flight (``flight[r]``
+    microbatches of its activations), and the largest transient among them."""
+    pp = len(flight)
+    out = []
+    for r in range(pp):
+        mine = [(priced[k], a, b) for k, (a, b) in list(zip(choice, spans))[r::pp]]
+        out.append(int(sum(p.sum(p.p.state, a, b) + flight[r] * p.sum(p.p.saved, a, b) for p, a, b in mine)
+                       + max(p.p.transient[i] for p, a, b in mine for i in p.p.stage(a, b))))
+    return out
+
+
+def fit_ranks(priced: list[_Priced], choice, spans, flight: list[float], budget: int | None
+              ) -> tuple[int, ...] | None:
+    """``choice`` (per stage an index into ``priced``, each stage fitting ``budget`` alone:
+    :func:`split`) made to fit ``budget`` on every device that runs several stages: while a
+    device is over, one of its stages moves to a later priced plan (more recomputation), the
+    move adding the fewest seconds per byte it saves (greedy, at most ``S · K`` moves), so a
+    device may keep one stage unrecomputed and recompute another. ``None`` when no move is
+    left and a device is still over."""
+    pp, choice = len(flight), list(choice)
+    while budget is not None:
+        peaks = rank_peaks(priced, choice, spans, flight)
+        over = [r for r in range(pp) if peaks[r] > budget]
+        if not over:
+            break
+        r = over[0]
+        best = None
+        for s in range(r, len(spans), pp):
+            a, b = spans[s]
+            now = priced[choice[s]].sum(priced[choice[s]].p.micro_s, a, b)
+            for k in range(choice[s] + 1, len(priced)):
+                saved = peaks[r] - rank_peaks(priced, choice[:s] + [k] + choice[s + 1:], spans, flight)[r]
+                if saved > 0:
+                    ratio = (priced[k].sum(priced[k].p.micro_s, a, b) - now) / saved
+                    if best is None or ratio < best[0]:
+                        best = (ratio, s, k)
+        if best is None:
+            return None
+        choice[best[1]] = best[2]
+    return tuple(choice)
 
 
 def even_boundaries(num_layers: int, stages: int) -> tuple[int, ...] | None:
