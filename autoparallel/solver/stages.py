@@ -536,8 +536,8 @@ def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: 
     spans = list(zip(boundaries, boundaries[1:]))
     if v > 1:  # a device holds all its stages' state, and its chunks in flight
         fitted = fit_ranks(priced, choice, spans, flight, budget)
-        if fitted is None:
-            return None, max(rank_peaks(priced, choice, spans, flight))
+        if fitted is None:  # a peak these cuts reach: every stage on one priced plan, the best
+            return None, min(max(rank_peaks(priced, [k] * S, spans, flight)) for k in range(len(priced)))
         choice = fitted
     stage = [(priced[k], a, b) for k, (a, b) in zip(choice, spans)]
     stage_s = [p.sum(p.p.micro_s, a, b) for p, a, b in stage]
