@@ -2,7 +2,8 @@
 
 The key hashes the captured graph (its code, every node's output shapes and dtypes, and the
 parameter names), the mesh (shape, alpha, beta), the cost model (class, device preset, and
-a measured profile's key and numbers), the planning options, and the versions of autoparallel and torch. The second
+a measured profile's key and numbers), the planning options, a digest of autoparallel's own
+sources (:func:`source_digest`) and torch's version. The second
 ``autoparallelize``/``plan`` of the same model on the same mesh loads the plan instead of
 solving.
 
@@ -16,12 +17,13 @@ variable, else ``~/.cache/autoparallel``; ``cache_dir=False`` turns caching off.
 and device profiles (:mod:`autoparallel.profile`) live in its ``profiles/`` subfolder. A cost
 model is identified by :meth:`CostModel.key` (class, device preset, profile): a subclass with
 parameters of its own should add them there; clear the cache (delete the folder) after
-changing a cost model's code.
+changing the code of a cost model defined outside this package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -36,13 +38,21 @@ from .plan import Plan
 from .validate import validate_plan
 
 log = logging.getLogger(__name__)
-VERSION = "0.11.0"  # 0.11.0: the vocab-parallel loss modelled with one gradient buffer; 0.10.0: selective regions, host offload, recomputation tried on the fastest plan; 0.9.0: typed records
-# 0.8.1: an SDPA reading repeated key/value keeps them unrepeated (rewrites.gqa)
-# 0.8.0: SDPA FLOPs counted and priced at attention_efficiency; views that move no data priced as calls only
-# 0.7.0: DTensor's optimizer overhead one fixed charge (replicated plans hold plain parameters)
-# 0.6.0: the optimizer step and the world-spanning gradient bucket priced (estimate.optimizer_s)
-# 0.4.0: alternatives, parameter names and memory timeline for summary/explain/plot
-# 0.3.0: exposed gradient communication, plan.outputs, redistributions
+
+
+@functools.cache
+def source_digest() -> str:
+    """Hex digest of this package's Python sources (every ``.py`` file under it, by relative
+    path and content), read once per process: in the plan key, so that a plan cached by other
+    planner code (another cost or memory model) is not found and its stale estimate not read
+    back. It replaces a version string bumped by hand, which a change could forget (one did:
+    a memory-model fix reported the cached plan's old peak)."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def cache_path(cache_dir) -> Path | None:
@@ -73,7 +83,7 @@ def plan_key(traced, mesh, cost_model, options: dict) -> str:
     h.update(json.dumps(mesh.to_json(), sort_keys=True).encode())
     h.update(cost_model.key().encode())
     h.update(json.dumps(options, sort_keys=True, default=str).encode())
-    h.update(f"{VERSION}:{torch.__version__}".encode())
+    h.update(f"{source_digest()}:{torch.__version__}".encode())
     return h.hexdigest()
 
 
