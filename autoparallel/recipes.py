@@ -14,6 +14,11 @@ of the recipes people write by hand:
   vocabulary, other parameters replicated; on a 2-D mesh the first axis is data parallel
   (the batch split over it) and the last axis the tensor-parallel one; on a 1-D mesh the
   only axis is tensor parallel and the batch is not split;
+* **FSDP + EP** (models with routed experts, :mod:`autoparallel.tracer.experts`; torchtitan's
+  layout for mixture-of-experts models): FSDP as above, except that the routed experts are
+  stored split by expert (dim 0) over the last mesh axis whose size divides their count, the
+  expert-parallel axis, and along their next dim over the other axes, and read split by
+  expert: tokens go to their experts' devices by all-to-all, the batch split over every axis;
 * **FSDP + TP** (2-D meshes): Megatron TP on the last axis, each parameter additionally
   stored split over the first axes (FSDP) along its first dim that the split divides; the
   parameters Megatron splits are gathered over those axes for compute (read in their Megatron
@@ -63,6 +68,8 @@ from .solver.ilp import fold_edges
 from .graph import layer_of
 from .mesh import MeshSpec
 from .placement import R
+from .runtime_kernels.experts import ROUTED_EXPERTS
+from .tracer.annotate import node_info
 from . import units
 from .summary import fold
 
@@ -252,7 +259,7 @@ def _tp_specs(roles: Roles) -> dict[str, int | None]:
 
 
 def recipes(traced, mesh: MeshSpec) -> list[Recipe]:
-    """The constraint sets of DDP, FSDP, Megatron TP and FSDP + TP (module docstring) for a
+    """The constraint sets of DDP, FSDP, FSDP + EP, Megatron TP and FSDP + TP (module docstring) for a
     traced model on ``mesh``, the layers of a repeated list written once where they are placed
     alike (``model.layers.*.mlp.up_proj.weight``); a recipe that cannot be written has
     ``constraints=None`` and its ``reason``."""
@@ -308,6 +315,7 @@ def _recipes(traced, mesh: MeshSpec) -> list[Recipe]:
                 notes.append(t)
         out.append(Recipe("FSDP (ZeRO-3)", fsdp | dp_all,
                           notes=[f"{len(notes)} parameters no mesh split divides stay replicated"] if notes else []))
+        out += _expert_parallel(traced, mesh, fsdp | dp_all)
     tp_axis = nd - 1
     tp_name = f"Megatron TP over {names[tp_axis]}" + (f", DP over {', '.join(names[:-1])}" if nd > 1 else "")
     if not any(p.role for p in roles.projections):
@@ -353,6 +361,33 @@ def _recipes(traced, mesh: MeshSpec) -> list[Recipe]:
         note = [f"{notes} parameters stay replicated over {', '.join(names[:-1])}"] if notes else []
         out.append(Recipe("FSDP + TP", both | batch_dp, notes=note))
     return out
+
+
+def _expert_parallel(traced, mesh: MeshSpec, fsdp: dict[str, str]) -> list[Recipe]:
+    """FSDP + EP (module docstring) from the FSDP recipe's constraints ``fsdp``: ``[]`` for a
+    model without routed experts."""
+    nodes = [n for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is ROUTED_EXPERTS]
+    if not nodes:
+        return []
+    counts = {n.args[3].meta["val"].shape[0] for n in nodes}
+    ep = next((a for a in reversed(range(mesh.ndim)) if mesh.shape[a] > 1 and all(e % mesh.shape[a] == 0
+                                                                                   for e in counts)), None)
+    name = "FSDP + EP" + (f" over {mesh.axis_names[ep]}" if ep is not None else "")
+    if ep is None:
+        return [Recipe(name, None, f"no mesh axis divides the experts' counts {sorted(counts)}")]
+    others = [a for a in range(mesh.ndim) if a != ep]
+    ways = math.prod(mesh.shape[a] for a in others)
+    out = dict(fsdp)
+    for n in nodes:
+        for weight in n.args[3:5]:
+            shape = tuple(weight.meta["val"].shape)
+            held = {ep: 0} | ({a: 1 for a in others} if _split(shape, 1, ways) else {})
+            read = (Shard(0) if a == ep else R for a in range(mesh.ndim))
+            out[_param_target(weight)] = (format_spec(tuple(Shard(held[a]) if a in held else R
+                                                            for a in range(mesh.ndim)), mesh.axis_names)
+                                          + " -> " + format_spec(tuple(read), mesh.axis_names))
+        out[node_info(n).module_path] = format_spec((Shard(0),) * mesh.ndim, mesh.axis_names)
+    return [Recipe(name, out)]
 
 
 @dataclass

@@ -13,6 +13,8 @@ Sections (:func:`summary`):
   placement, and how it is used: as stored, stored sharded and all-gathered for compute,
   or split further for compute (for a fused projection read in slices, what happens to
   its slices);
+* the routed experts of mixture-of-experts layers: the experts per device, the axes of
+  expert parallelism and the bytes each all-to-all sends per device per layer;
 * the collectives of one repeated layer: kind, mesh axis, bytes per device, forward or
   backward, and the gradient reductions of its parameters.
 
@@ -28,8 +30,8 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Sequence
 
 from . import units
-from .placement import format_spec
-from .placement import Spec
+from .placement import R, Spec, format_spec
+from .runtime_kernels.experts import expert_hops
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -92,7 +94,7 @@ def _axes(plan: "Plan", axes) -> str:
 def summary(plan: "Plan") -> str:
     """The one-screen summary of ``plan`` (module docstring)."""
     parts = [_header(plan), _pipeline(plan), _step(plan), _memory(plan), _compared(plan), _inputs(plan), _parameters(plan),
-             _layer_collectives(plan)]
+             _experts(plan), _layer_collectives(plan)]
     return "\n".join(p for p in parts if p)
 
 
@@ -318,6 +320,39 @@ def _parameters(plan: "Plan") -> str:
         rows.append((shown, str(list(shape)), spec, use))
     return (f"parameters and buffers ({len(plan.inspection.state_nodes)} tensors, {len(rows)} kinds):\n"
             + columns([("name", "shape", "placement", "use in compute")] + rows))
+
+
+def _experts(plan: "Plan") -> str:
+    """One line per way the plan runs routed experts (:mod:`autoparallel.strategies.moe`)."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for n in plan.nodes.values():
+        if n.op.startswith("routed_experts"):
+            groups[(tuple(n.input_specs[0]), tuple(n.input_specs[3]))].append(n)
+    lines = []
+    for (tokens, experts), nodes in groups.items():
+        n = nodes[0]
+        hops = expert_hops((tokens, None, None, experts), plan.mesh.shape)
+        total = n.in_shapes[3][0]
+        per = total // math.prod(plan.mesh.shape[a] for _, a in hops)
+        pairs = n.memory_bytes * n.in_shapes[1][1]  # this device's (token, expert) pairs' rows, bytes
+        parts = []
+        for kind, a in hops:
+            if kind == "mask":
+                pairs /= plan.mesh.shape[a]
+                parts.append(f"split over {_axes(plan, [a])} (each device its experts' pairs, a pending sum)")
+            else:
+                parts.append(f"expert parallel over {_axes(plan, [a])} (all-to-all of {units.nbytes(pairs)} "
+                             "per device, 2 forward and 2 backward)")
+        split = [a for a, p in enumerate(tokens) if p != R]
+        how = "; ".join(parts) if parts else "replicated on every device"
+        layers: dict[str, list[int]] = defaultdict(list)
+        for x in nodes:
+            key, i = fold(x.module_path)
+            layers[key].append(i)
+        paths = sorted(k.format("{" + ranges(i) + "}") if None not in i else k for k, i in layers.items())
+        lines.append(f"  {', '.join(paths)}: {total} experts, {per} per device; {how}; tokens "
+                     + (f"split over {_axes(plan, split)}" if split else "whole"))
+    return "routed experts:\n" + "\n".join(lines) if lines else ""
 
 
 def columns(rows: list[tuple[str, ...]]) -> str:

@@ -12,6 +12,10 @@ Rows (targets on a 2-core machine):
   vocab 32000, batch 64 × 4096, 8×8 mesh — < 60 s
 * DeepSeek-V3 dims: 61 layers (the first 3 dense), hidden 7168, MLA, 256 routed experts + 1
   shared, top-8, vocab 129280, batch 512 × 4096, 64×8 mesh — < 120 s
+* The two mixture-of-experts rows also print the plan's exposed communication as a share of its
+  step and the hand-written FSDP + EP recipe (:mod:`autoparallel.recipes`: torchtitan's layout)
+  planned with the same options and cost model: its step, its peak, and the step ratio (target
+  ≤ 1.0×); the recipe's seconds are not counted in the plan time
 * Pipeline stages (issue 28), batch 128 × 8192 (one sequence per data-parallel rank) on 16 nodes of
   8 H100s (a 16×8 mesh whose first axis crosses nodes at 400 Gb/s per GPU, the second NVLink):
   ``llama3-70b-pp`` (Llama-3-70B) and ``llama3-405b-pp`` (126 layers × 16384, 128/8 heads, MLP
@@ -58,6 +62,9 @@ import torch  # noqa: E402
 import transformers as T  # noqa: E402
 
 import autoparallel  # noqa: E402
+from autoparallel.recipes import recipes  # noqa: E402
+from autoparallel.summary import step_parts  # noqa: E402
+from autoparallel.tracer import capture  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 
@@ -101,6 +108,9 @@ def deepseek_v3():
     return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(use_cache=False))  # its defaults are DeepSeek-V3's dims
 
 
+MOE_ROWS = ("mixtral-8x7b", "deepseek-v3")
+"""Rows that also print the FSDP + EP recipe priced by the same model, and the plan's exposed
+communication (issue 29)."""
 ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 policy, default budget)
     "gpt2-small": (lambda: gpt2(12, 768, 12), (8, 1024), (2, 4), 10.0, False),
     "gpt2-xl": (lambda: gpt2(48, 1600, 25), (8, 1024), (2, 4), 30.0, False),
@@ -124,10 +134,7 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
     with torch.device("meta"):
         model = build()
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
-    kw = {}
-    if llm:
-        kw = {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
-              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    kw = llm_options(budget) if llm else {}
     t0, cpu0 = time.perf_counter(), _cpu_s()
     inputs = {"input_ids": ids, "labels": ids.clone()}
     common = dict(solver=solver, share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp, **kw)
@@ -141,7 +148,42 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
     total = time.perf_counter() - t0
     if recipe is not None and recipe.plan is not None:  # the recipe's own seconds are not the plan's
         total -= recipe.plan.solver_stats.stage_s.get("recipe", 0.0)
-    return plan, total, _cpu_s() - cpu0, target, model, (b, s), mesh, recipe
+    return plan, total, _cpu_s() - cpu0, target, model, (b, s), mesh, recipe, inputs, common
+
+
+def llm_options(budget) -> dict:
+    """The options of an LLM row (module docstring)."""
+    return {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def expert_recipe(model, inputs, mesh, common) -> tuple[str, object, str, float]:
+    """The FSDP + EP recipe (:mod:`autoparallel.recipes`) planned with a mixture-of-experts row's
+    options: ``(name, plan or None, why not, seconds)``."""
+    t0 = time.perf_counter()
+    traced = capture(model, inputs, mp_policy=common.get("mp_policy"), device=common.get("device"))
+    rec = next(r for r in recipes(traced, autoparallel.MeshSpec(mesh)) if r.name.startswith("FSDP + EP"))
+    plan, why = None, rec.reason
+    if rec.constraints is not None:
+        try:
+            plan = autoparallel.plan(model, inputs, mesh_shape=mesh, constraints=rec.constraints, **common)
+        except autoparallel.InfeasiblePlanError as e:
+            why = str(e).splitlines()[0]
+    return rec.name, plan, why, time.perf_counter() - t0
+
+
+def expert_lines(plan, recipe) -> str:
+    """The plan's exposed communication and the FSDP + EP recipe beside it."""
+    name, rp, why, seconds = recipe
+    step, _, comm, _ = step_parts(plan)
+    out = f"  exposed communication {comm / step:.0%} of the plan's step"
+    if rp is None:
+        return out + f"\n  recipe {name}: {why}"
+    r = step / rp.estimate.step_time_s
+    fits = "OK" if rp.estimate.peak_memory_bytes <= 80 * 2**30 else "MISSED"
+    return (out + f"\n  recipe {name}: step {rp.estimate.step_time_s:.2f} s, peak "
+            f"{rp.estimate.peak_memory_bytes / 2**30:.1f} GiB (fits 80 GiB: {fits}; priced in {seconds:.1f} s, not "
+            f"counted above)\n  plan / recipe step: {r:.2f}x (target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'})")
 
 
 def _cpu_s() -> float:
@@ -211,8 +253,8 @@ def main():
     totals = {}
     for name in args.rows.split(","):
         for share in ([True, False] if args.no_share else [True]):
-            plan, total, cpu_s, target, model, (b, s), mesh, recipe = run(name, args.solver, share, not args.no_stamp,
-                                                                            args.budget, args.baselines)
+            plan, total, cpu_s, target, model, (b, s), mesh, recipe, inputs, common = run(
+                name, args.solver, share, not args.no_stamp, args.budget, args.baselines)
             st = plan.solver_stats
             nparams = sum(p.numel() for p in model.parameters()) / 1e9
             tag = "" if share else "  [no block sharing]"
@@ -253,6 +295,8 @@ def main():
             print(f"  plan: estimated step {est.step_time_s * 1e3:.1f} ms, {len(plan.collectives)} forward "
                   f"collectives, objective {st.objective_s * 1e3:.3f} ms")
             print(memory_lines(plan))
+            if name in MOE_ROWS:
+                print(expert_lines(plan, expert_recipe(model, inputs, mesh, common)))
             if share:
                 totals[name] = total
     if "gpt2-small" in totals and "gpt2-xl" in totals:

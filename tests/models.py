@@ -147,7 +147,19 @@ MOE = {
     "mixtral": lambda T: T.MixtralForCausalLM(T.MixtralConfig(**_MOE, intermediate_size=128, num_local_experts=4)),
     "qwen2_moe": lambda T: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
         **_MOE, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4)),
+    # a shared expert beside 8 routed ones, top-4 by group-limited routing, the first layer dense
+    "deepseek_v3": lambda T: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **dict(_MOE, num_experts_per_tok=4, num_key_value_heads=4), intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=2, q_lora_rank=None,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
 }
+
+EXPERT_PARALLEL = {  # mesh → (experts held and read, the experts' output): tokens and experts split together
+    (4,): ("S0 -> S0", "S0"),
+    (2, 2): ("S0(0) S0(1) -> S0(0) S0(1)", "S0(0) S0(1)"),  # all-to-all along both axes, one after the other
+}
+"""Constraints that force expert parallelism on a MOE model (``*.experts.gate_up_proj`` and
+``down_proj`` held and read as the first, ``*.mlp.experts`` computed as the second)."""
 
 
 class WithLoss(torch.nn.Module):

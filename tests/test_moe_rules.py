@@ -1,19 +1,25 @@
 """Mixture-of-experts routing: the records of :mod:`autoparallel.strategies.moe` and the
 router's ops in :mod:`autoparallel.strategies.rules` (samples of the ATen ops are in
-tests/test_rules.py), Hugging Face's grouped expert matmul against the dense op on simulated
-ranks, and tiny Mixtral and Qwen2-MoE models: planned without a fallback, and equal to one
-device on (4,) and (2, 2)."""
+tests/test_rules.py), Hugging Face's grouped expert matmul and the routed experts captured as
+one op against the dense op on simulated ranks, and tiny Mixtral, Qwen2-MoE (a shared expert)
+and DeepSeek-V3 (shared and routed experts, top-4) models: planned without a fallback, and
+equal to one device on (4,) and (2, 2), with the planner's choice and with expert parallelism
+forced."""
+
+import copy
 
 import pytest
 import torch
+from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Shard
 
 import autoparallel
 from autoparallel.placement import R
+from autoparallel.runtime_kernels.experts import ROUTED_EXPERTS
 from autoparallel.strategies import RECORDS, generator
-from autoparallel.strategies.coverage import FALLBACK, REGISTRY, RULE
-from models import MOE, batch_for, hf_model, to_meta
-from test_parity import run_parity
+from autoparallel.strategies.coverage import FALLBACK, RULE
+from models import EXPERT_PARALLEL, MOE, batch_for, hf_model, to_meta
+from test_parity import run_parity, train_side_by_side
 from test_rules import _captured, _check_all_strategies, _int
 
 pytest.importorskip("transformers.integrations.moe")  # defines transformers::grouped_mm_fallback
@@ -33,6 +39,9 @@ SAMPLES = {
         _grouped_mm(x, w, torch.histc(i.sort().values.float(), 4, 0, 3).cumsum(0, dtype=torch.int32)),
         _grouped_mm(x, w, torch.tensor([0, 3, 3, 6], dtype=torch.int32))),
         [(8, 16), (4, 16, 12), _int(6, 8)]),
+    # 16 tokens of width 8, top-2 of 4 experts (a token may pick one expert twice), I = 6
+    "routed_experts": (lambda x, i, w, gate_up, down: ROUTED_EXPERTS(x, i, w.softmax(-1), gate_up, down, "silu"),
+                       [(16, 8), _int(4, 16, 2), (16, 2), (4, 12, 8), (4, 8, 6)]),
 }
 
 
@@ -43,13 +52,23 @@ def test_grouped_mm_every_strategy_matches_the_dense_op(mesh_shape, sim_mesh):
     assert "transformers.grouped_mm_fallback.default" in {str(op) for op in seen}
 
 
-def test_every_library_op_with_a_record_has_a_sample():
-    """Records keyed by a library op's name (tests/test_rules.py covers the ATen ones)."""
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_routed_experts_every_strategy_matches_the_dense_op(mesh_shape, sim_mesh):
+    """Every role per axis (replicated, tokens split, expert parallel with all-to-all, experts
+    split with a partial output), alone and combined on (2, 2): outputs and gradients."""
+    seen: set = set()
+    _check_all_strategies("routed_experts", mesh_shape, sim_mesh, seen, samples=SAMPLES)
+    assert ROUTED_EXPERTS in seen
+
+
+def test_every_op_outside_aten_with_a_record_has_a_sample():
+    """Records of ops outside ATen: a library's, keyed by name, and ours (tests/test_rules.py
+    covers the ATen ones)."""
     seen = set()
     for fn, specs in SAMPLES.values():
         _, traced = _captured(fn, tuple(specs))
         seen.update(str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function")
-    missing = sorted(op for op in RECORDS if isinstance(op, str) and op not in seen)
+    missing = sorted(str(op) for op in RECORDS if (isinstance(op, str) or op.namespace != "aten") and str(op) not in seen)
     assert not missing, f"library ops with a rule but no sample in tests/test_moe_rules.py: {missing}"
 
 
@@ -90,27 +109,46 @@ def test_scatter_add_and_index_add_split_their_terms_with_self_partial():
 
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_moe_plans_without_a_fallback(name):
-    """The router (topk, the sort by expert, histc's token counts) and the grouped expert
-    matmul take strategies from rules of ours, and nothing runs replicated for want of one."""
+    """The router (topk) and the routed experts, captured as one op, take strategies from
+    rules of ours, and nothing runs replicated for want of one."""
     report = autoparallel.coverage(hf_model(name), to_meta(batch_for(name, 0)))
     sources = {}
     for row in report.rows:
         sources.setdefault(row.op, set()).add(row.source)
     assert not any(FALLBACK in s for s in sources.values()), str(report)
-    router = ("aten.topk.default", "aten.sort.default", "aten.histc.default")
-    for op in router + ("transformers.grouped_mm_fallback.default",):
+    for op in ("aten.topk.default", "autoparallel.routed_experts.default"):
         assert sources[op] == {RULE}, f"{op}: {sources.get(op)}"
-    assert not any(REGISTRY in s for op, s in sources.items() if "grouped_mm" in op or "histc" in op)
 
 
 @pytest.mark.slow  # 20-45 s each on 2 shared cores
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_moe_parity(name, mesh_shape, sim_mesh):
-    """Loss and every gradient equal one device's over two SGD steps, with communication nearly
-    free so that the plan splits the experts' matmuls too."""
-    pmodel = run_parity(name, mesh_shape, "cheap-comm", sim_mesh, steps=2)
+    """Loss and every gradient equal one device's over two SGD steps, the planner's choice with
+    gradient reduction made expensive, so that the experts are held split (by expert, or
+    FSDP's way)."""
+    pmodel = run_parity(name, mesh_shape, "shard-params", sim_mesh, steps=2)
     assert not pmodel.plan.inspection.fallback_ops
-    experts = [n for n in pmodel.plan.nodes.values() if "grouped_mm" in n.op]
-    assert experts and any(p != R for n in experts for spec in n.input_specs for p in spec), \
-        "the plan should split the experts' grouped matmuls"
+    held = {k: v for k, v in pmodel.plan.param_placements.items() if ".experts." in k}
+    assert held and all(any(p != R for p in spec) for spec in held.values()), f"experts held whole: {held}"
+
+
+@pytest.mark.slow  # 10-30 s each on 2 shared cores
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
+    """Expert parallelism forced through constraints (each device holds its share of the experts
+    and receives the tokens routed to them by all-to-all): loss and every gradient equal one
+    device's over two SGD steps."""
+    held, out = EXPERT_PARALLEL[mesh_shape]
+    constraints = {"*.experts.gate_up_proj": held, "*.experts.down_proj": held, "*.mlp.experts": out}
+    mesh = sim_mesh(mesh_shape)
+    ref = hf_model(name)
+    model = copy.deepcopy(ref)
+    ranks = frozenset(range(mesh.size()))
+    with LocalTensorMode(ranks):
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
+                                              constraints=constraints)
+    experts = [n for n in pmodel.plan.nodes.values() if "routed_experts" in n.op]
+    assert experts and all(n.input_specs[0] == n.input_specs[3] == (Shard(0),) * len(mesh_shape) for n in experts)
+    train_side_by_side(ref, pmodel, [batch_for(name, step) for step in range(2)], ranks)

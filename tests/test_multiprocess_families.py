@@ -1,6 +1,7 @@
 """Tier 3 for every model family: 4 real gloo processes on a 2 x 2 mesh run each model of
-the zoo (the MLP, the CNN, GPT-2, LLaMA, BERT, T5, every entry of ``FAMILIES`` and timm's ViT
-and ResNet-18 in training mode) through
+the zoo (the MLP, the CNN, GPT-2, LLaMA, BERT, T5, every entry of ``FAMILIES``, timm's ViT
+and ResNet-18 in training mode, and the mixture-of-experts models of ``MOE``, also with expert
+parallelism forced: ``<name>-ep``, the constraints ``EXPERT_PARALLEL``) through
 ``autoparallelize`` and check parity with a single-device copy through real c10d.
 
 For each family every rank builds the model with the same seed, plans and emits it with the
@@ -31,15 +32,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoparallel
-from models import FAMILIES, ShardParams, TIMM, batch_for, placements_of, to_meta, whole
+from models import EXPERT_PARALLEL, FAMILIES, MOE, ShardParams, TIMM, batch_for, placements_of, to_meta, whole
 from gloo_ranks import spawn
 from test_multiprocess import ATOL, MESH_SHAPE, RTOL, WORLD
 from test_parity import build, loss_of
 
 pytest.importorskip("transformers")
 
-# every model of tests/models.py: the plain ones, the four of test_parity, FAMILIES, then timm's
-NAMES = ["mlp", "cnn", "gpt2", "llama", "bert", "t5"] + sorted(FAMILIES) + sorted(TIMM)
+EP = "-ep"  # a MOE model's name with this suffix: expert parallelism forced
+# every model of tests/models.py: the plain ones, the four of test_parity, FAMILIES, timm's, then MOE's,
+# with the planner's choice and with expert parallelism forced
+NAMES = (["mlp", "cnn", "gpt2", "llama", "bert", "t5"] + sorted(FAMILIES) + sorted(TIMM) + sorted(MOE)
+         + [f"{n}{EP}" for n in sorted(MOE)])
 LR = 0.1
 TIME_LIMIT = 5.0  # seconds for the ILP solver per family (these plans solve at the LP relaxation)
 PG_TIMEOUT = 90  # seconds: a rank stuck in a collective fails instead of hanging the run
@@ -107,13 +111,18 @@ def _loss_diff(when: str, got, want) -> list[str]:
 
 def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
     """Plan, emit, one step and the check after it; returns what differed (empty if nothing)."""
+    constraints = None
+    if name.endswith(EP):
+        name = name[:-len(EP)]
+        held, out = EXPERT_PARALLEL[MESH_SHAPE]
+        constraints = {"*.experts.gate_up_proj": held, "*.experts.down_proj": held, "*.mlp.experts": out}
     model = build(name)  # torch.manual_seed(0) inside: the same weights on every rank
     ref = copy.deepcopy(model)
     ref_params = dict(ref.named_parameters())
     batch = batch_for(name, 0)  # seeded generator: the same batch on every rank
     t0 = time.perf_counter()
     try:
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh,
+        pmodel = autoparallel.autoparallelize(model, to_meta(batch), device_mesh=mesh, constraints=constraints,
                                                cost_model=ShardParams("cpu"), time_limit=TIME_LIMIT)
     except Exception as e:
         # planning runs on rank 0 alone, the others wait for its plan in a broadcast: release

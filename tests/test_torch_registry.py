@@ -118,7 +118,6 @@ REGISTRY_SAMPLES = {
     "kthvalue": (lambda a: torch.kthvalue(a, 3, dim=1).values, [(4, 8, 6)]),
     "cummax": (lambda a: torch.cummax(a, 1).values, [(4, 8)]),
     "logcumsumexp": (lambda a: torch.logcumsumexp(a, 1), [(4, 8)]),
-    "scatter_value": (lambda a, i: a.scatter(1, i, 0.5), [(4, 8), _int(8, 4, 3)]),
     "dot": (lambda a, b: torch.dot(a, b), [(16,), (16,)]),
     "repeat": (lambda a: a.repeat(2, 1, 3), [(4, 8)]),
     "vector_norm": (lambda a: torch.linalg.vector_norm(a, dim=1), [(4, 8)]),
@@ -127,7 +126,7 @@ REGISTRY_TARGETS = {"min_other": {aten.min.other}, "atan2": {aten.atan2.default}
                     "logaddexp_xlogy": {aten.logaddexp.default, aten.xlogy.Tensor},
                     "add_": {aten.add_.Tensor}, "masked_fill_": {aten.masked_fill_.Scalar},
                     "copy_": {aten.copy_.default}, "kthvalue": {aten.kthvalue.default}, "cummax": {aten.cummax.default},
-                    "logcumsumexp": {aten.logcumsumexp.default}, "scatter_value": {aten.scatter.value},
+                    "logcumsumexp": {aten.logcumsumexp.default},
                     "dot": {aten.dot.default}, "repeat": {aten.repeat.default},
                     "vector_norm": {aten.linalg_vector_norm.default}}
 

@@ -202,13 +202,23 @@ _PLAIN = (bool, int, float, str, type(None))
 def module_state(model: nn.Module) -> tuple[tuple, list[str]]:
     """The plain attributes of every module below ``model`` (``dropout.p``, a flag; the
     captured graph depends on them, so a change is captured again), and the names of the
-    submodules with forward hooks (which a per-device graph cannot run)."""
+    submodules with forward hooks (which a per-device graph cannot run) other than Hugging
+    Face's output-capturing ones (:func:`_captured_hook`)."""
     attributes, hooked = [], []
     for name, m in model.named_modules():
         attributes += [(name, k, v) for k, v in m.__dict__.items() if isinstance(v, _PLAIN) and k != "training"]
-        if name and (m._forward_hooks or m._forward_pre_hooks):
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        if name and not all(_captured_hook(h) for h in hooks):
             hooked.append(name)
     return tuple(attributes), hooked
+
+
+def _captured_hook(hook) -> bool:
+    """Hugging Face's output-capturing hook (``transformers.utils.output_capturing``), which a
+    model installs on its first call: it appends a submodule's output to a collector that is
+    set only inside the model's own forward, which capture traces, so the captured graph holds
+    what it collects (Mixtral's router logits and their auxiliary loss)."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 @dataclass

@@ -653,6 +653,13 @@ class CostModel:
     solves in 52 s with it instead of 1 s (same optimum); a subclass setting it to ``True``
     turns it on."""
 
+    expert_imbalance: float = 1.0
+    """The busiest device's share of a mixture-of-experts layer's routed (token, expert) pairs
+    over an even share, under expert parallelism: its all-to-alls are priced at that many
+    times the even volume (:func:`autoparallel.strategies.moe.routed_experts_cost`). ``1.0``
+    (default) assumes balanced routing, what a load-balancing loss aims at; set it on an
+    instance or a subclass (it is part of :meth:`key`)."""
+
     def __init__(self, device: str | DevicePreset = "a100", profile: CommProfile | None = None):
         if profile is not None and not isinstance(profile, CommProfile):
             raise TypeError(f"CostModel: profile must be a CommProfile or None, not {profile!r}")
@@ -715,6 +722,8 @@ class CostModel:
         key = f"{type(self).__module__}.{type(self).__qualname__}:{self.device}"
         if self.overlap_grad_reduction:
             key += ":overlap_grad_reduction"
+        if self.expert_imbalance != 1.0:
+            key += f":expert_imbalance={self.expert_imbalance:g}"
         if self.profile is not None:
             key += f":profile={self.profile.key}:{hashlib.sha256(self.profile.to_json().encode()).hexdigest()[:16]}"
         return key

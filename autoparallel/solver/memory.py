@@ -70,6 +70,7 @@ from ..plan import returned_spec
 from ..results import MemoryBreakdown, MemoryPeak
 from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
+from ..strategies.records import record_of
 from ..tracer.annotate import node_info
 
 log = logging.getLogger(__name__)
@@ -375,6 +376,16 @@ def _fused_attention_saved(node: fx.Node) -> list[tuple[str, int, int, tuple, bo
         [("output", 0, 0, (), False), ("internal", -1, 4 * math.prod(lse), lse, False)]
 
 
+def _recorded_saved(node: fx.Node, internal) -> list[tuple[str, int, int, tuple, bool]]:
+    """:func:`_saved_by_op`'s entries for an op whose record lists what its per-device form
+    saves (``OpRecord.saved``): its floating inputs that need a gradient, and ``internal``
+    (``(global shape, dtype)`` pairs)."""
+    ins = [("input", j, 0, (), False) for j, (_, x) in enumerate(tensor_inputs(node))
+           if node_info(x).requires_grad and x.meta["val"].dtype.is_floating_point]
+    return ins + [("internal", -1, math.prod(shape) * dtype.itemsize, shape, dtype.is_floating_point)
+                  for shape, dtype in internal]
+
+
 def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: str = "meta") -> list[Saved]:
     """What every node saves for backward (global sizes), in graph order.
 
@@ -394,7 +405,13 @@ def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: s
             continue  # a node without tensor outputs (.item()) has no backward: it saves nothing
         ins = tensor_inputs(node)
         fused = node.target is _SDPA and kernels != device and any(node_info(x).requires_grad for _, x in ins)
-        entries = _fused_attention_saved(node) if fused else _saved_by_op(node, kernels, traced_on, memo)
+        record = record_of(node.target)
+        if record is not None and record.saved is not None:
+            entries = _recorded_saved(node, record.saved(node))
+        elif fused:
+            entries = _fused_attention_saved(node)
+        else:
+            entries = _saved_by_op(node, kernels, traced_on, memo)
         for kind, j, nbytes, shape, floating in entries:
             if kind == "input":
                 records.append(Saved(node, storage_owner(ins[j][1], aliases), j, 0))
@@ -541,6 +558,9 @@ class MemoryModel:
         saves and that is none of its inputs or outputs: split as the operand it is derived
         from (:func:`_aligned_operand`): LayerNorm's mean and rstd as its input, SDPA's
         logsumexp as the query, cross-entropy's log-softmax as the logits."""
+        record = record_of(node.target)
+        if record is not None and record.saved is not None:  # divided as the op's work
+            return lambda s: int(nbytes / s.split)
         operands = [(node_info(x).outputs[0][0], "inputs", j) for j, (_, x) in enumerate(tensor_inputs(node))]
         operands += [(sh, "outputs", i) for i, (sh, _) in enumerate(node_info(node).outputs)]
         found = _aligned_operand(shape, [sh for sh, _, _ in operands])

@@ -107,7 +107,9 @@ def _rule_strategies(record, node: fx.Node, in_shapes, out_shapes, mesh_shape,
         raise ShardingRuleError(
             f"sharding rule for {node.target} failed on node {node.name} "
             f"(module {node_info(node).module_path or '<root>'}): {type(e).__name__}: {e}") from e
-    return enumerate_strategies(res, mesh_shape, unit_candidates) if isinstance(res, DimMap) else res
+    if isinstance(res, DimMap):
+        return enumerate_strategies(res, mesh_shape, unit_candidates)
+    return res(tuple(mesh_shape)) if callable(res) else res
 
 
 def _param_spec_ok(shape, spec, mesh_shape) -> bool:

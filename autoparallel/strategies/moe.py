@@ -2,7 +2,9 @@
 expert (``histc``), scatter-adds of tokens into their rows (``scatter_add``,
 ``index_add``), and Hugging Face's grouped matmul over experts
 (``transformers::grouped_mm_fallback``). The router's choice of experts (``topk``) and the
-sort of tokens by expert are ops along one dim (:func:`.rules.along_dim_rule`).
+sort of tokens by expert are ops along one dim (:func:`.rules.along_dim_rule`). And the
+routed experts captured as one op (:mod:`autoparallel.tracer.experts`), with expert
+parallelism: :func:`routed_experts_rule`.
 
 ``bincount`` has no record: its output length is the largest value plus one, which capture
 cannot know before the run (:mod:`autoparallel.tracer.annotate` rejects such a node), so no
@@ -11,11 +13,18 @@ captured graph holds it; routers count tokens with ``histc`` over a fixed range 
 
 from __future__ import annotations
 
-import torch
+import itertools
+import math
 
-from ..graph import op_args
-from .engine import DimMap
-from .records import record
+import torch
+from torch.distributed.tensor import Partial, Shard
+
+from ..graph import op_args, tensor_inputs
+from ..placement import R, local_shape
+from ..runtime_kernels.experts import ROUTED_EXPERTS, expert_hops, routed_experts
+from ..tracer.annotate import node_info
+from .engine import DimMap, Strategy
+from .records import LocalCall, record
 from .rules import _labels, _norm
 
 aten = torch.ops.aten
@@ -68,6 +77,24 @@ def scatter_add_rule(node, in_shapes, out_shapes):
                   reduce=frozenset({terms} - {None}), partial=[frozenset({0, 2})])
 
 
+@record(aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src)
+def scatter_rule(node, in_shapes, out_shapes):
+    """``scatter(self, dim, index, value | src)``: ``self`` with ``value`` (or
+    ``src[..., j, ...]``) written at row ``index[..., j, ...]`` of ``dim`` (a router's mask of
+    the chosen expert groups). A dim other than ``dim`` on which ``self``, ``index`` (and
+    ``src``) have one size is parallel: each device writes its own slices; ``dim`` stays
+    whole, as the indices address all of it, and so does a dim where ``index`` is smaller
+    than ``self``. The in-place ``scatter_`` writes its output into ``self``, with its spec."""
+    x, idx = in_shapes[0], in_shapes[1]
+    nd = len(x)
+    if nd == 0 or len(idx) != nd or any(len(s) != nd for s in in_shapes[2:]):
+        return DimMap([(None,) * len(s) for s in in_shapes], [(None,) * nd], list(in_shapes), list(out_shapes))
+    dim = _norm(op_args(node)["dim"], nd)
+    labs = _labels(nd)
+    lx = tuple(labs[d] if d != dim and all(s[d] == x[d] for s in in_shapes) else None for d in range(nd))
+    return DimMap([lx] * len(in_shapes), [lx], list(in_shapes), list(out_shapes))
+
+
 @record(aten.index_add.default, aten.index_add_.default)
 def index_add_rule(node, in_shapes, out_shapes):
     """``index_add(self, dim, index, source, alpha=a)``: the output is ``self`` with
@@ -105,3 +132,95 @@ def grouped_mm_rule(node, in_shapes, out_shapes):
     rows and covers every expert."""
     return DimMap([(None, "k"), (None, "k", "n"), (None,)], [(None, "n")], list(in_shapes), list(out_shapes),
                   reduce=frozenset({"k"}))
+
+
+# ---------------------------------------------------------------- routed experts
+_ROLES = {  # per mesh axis: (tokens split, experts split); the output follows
+    "replicate": (False, False),  # every device of the axis computes every pair of its tokens
+    "data": (True, False),  # the tokens split, every expert on every device
+    "exchange": (True, True),  # expert parallelism: pairs sent to their expert's device and back
+    "mask": (False, True),  # experts split, tokens whole: each device its experts' pairs, Partial
+}
+
+
+def _role_strategy(roles, mesh_shape) -> Strategy:
+    """The strategy of ``routed_experts`` whose mesh axis ``a`` plays ``roles[a]``."""
+    tok = tuple(Shard(0) if _ROLES[r][0] else R for r in roles)
+    exp = tuple(Shard(0) if _ROLES[r][1] else R for r in roles)
+    out = tuple(Partial() if r == "mask" else t for r, t in zip(roles, tok))
+    split = math.prod(n for n, r in zip(mesh_shape, roles) if r != "replicate")
+    return Strategy((tok, tok, tok, exp, exp), (out,), split=split)
+
+
+def routed_experts_rule(node, in_shapes, out_shapes):
+    """``routed_experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k), gate_up_proj
+    (E, 2I, H), down_proj (E, H, I), act)``: each mesh axis plays one role (``_ROLES``): the
+    tokens (``hidden`` and its routing, dim 0) split or whole, the experts (dim 0 of both
+    weights) split or whole. Tokens and experts split along one axis is expert parallelism
+    with all-to-all dispatch and combine (the ``"exchange"`` hop of
+    :func:`~autoparallel.runtime_kernels.experts.routed_experts`); experts split over tokens
+    whole leaves a ``Partial`` output (``"mask"``). The tokens must split evenly over the axes
+    splitting them, the experts over theirs; the hidden and intermediate dims stay whole (the
+    weights may still be held split along them, FSDP's layout, and gathered for the op)."""
+    tokens, experts = in_shapes[0][0], in_shapes[3][0]
+
+    def strategies(mesh_shape):
+        found = []
+        for roles in itertools.product(_ROLES, repeat=len(mesh_shape)):
+            if any(n == 1 and r != "replicate" for n, r in zip(mesh_shape, roles)):
+                continue
+            tok = math.prod(n for n, r in zip(mesh_shape, roles) if _ROLES[r][0])
+            exp = math.prod(n for n, r in zip(mesh_shape, roles) if _ROLES[r][1])
+            if tokens % tok == 0 and experts % exp == 0:
+                found.append(_role_strategy(roles, mesh_shape))
+        return found
+
+    return strategies
+
+
+def local_routed_experts(call: LocalCall):
+    """The per-device form: :func:`~autoparallel.runtime_kernels.experts.routed_experts` on the
+    local tokens and experts, one hop per mesh axis splitting the experts."""
+    hops = tuple((kind, call.mesh_shape[a], call.coord(a), call.group(a))
+                 for kind, a in expert_hops(call.input_specs, call.mesh_shape))
+    return call.call(routed_experts, tuple(call.args[:6]) + (hops,))
+
+
+def routed_experts_cost(node, strategy, cost_model) -> float:
+    """Seconds of the all-to-alls of each ``"exchange"`` axis: per axis, the counts (one int64
+    per device) and the pairs' expert ids (int64) once, the pairs' hidden rows four times
+    (dispatch and combine, forward and backward; GShard, Lepikhin et al. 2020, §2.2), each
+    device sending its share of the pairs times ``cost_model.expert_imbalance`` (1: balanced
+    routing). A ``"mask"`` axis before it leaves a device ``1/n`` of its pairs to send."""
+    mesh_shape = cost_model.mesh.shape
+    hidden, idx = (x for _, x in tensor_inputs(node)[:2])
+    shape, dtype = node_info(hidden).outputs[0]
+    pairs = math.prod(local_shape(tuple(idx.meta["val"].shape), strategy.inputs[1], mesh_shape))
+    pairs *= cost_model.expert_imbalance
+    row = shape[1] * dtype.itemsize
+    passes = 4 if node_info(node).requires_grad else 2
+    cost = 0.0
+    for kind, a in expert_hops(strategy.inputs, mesh_shape):
+        n = mesh_shape[a]
+        if kind == "mask":
+            pairs /= n
+            continue
+        cost += cost_model.collective_time("all_to_all", a, 8 * n) + cost_model.collective_time("all_to_all", a, 8 * pairs)
+        cost += passes * cost_model.collective_time("all_to_all", a, pairs * row)
+    return cost
+
+
+def routed_experts_saved(node):
+    """What :func:`~autoparallel.runtime_kernels.experts.routed_experts` keeps for the backward,
+    per (token, expert) pair ``S = T·k``: the gathered tokens ``(S, H)``, the gate and up
+    projections ``(S, 2I)``, the activation and the gated product ``(S, I)`` each, the
+    experts' outputs ``(S, H)`` (in the weights' dtype); and the pairs' order and routing
+    weights ``(S,)``."""
+    hidden, idx, weights, gate_up, _ = (x.meta["val"] for _, x in tensor_inputs(node))
+    s, h, two_i, dt = idx.numel(), hidden.shape[1], gate_up.shape[1], gate_up.dtype
+    return [((s, h), dt), ((s, two_i), dt), ((s, two_i // 2), dt), ((s, two_i // 2), dt), ((s, h), dt),
+            ((s,), torch.int64), ((s,), weights.dtype)]
+
+
+record(ROUTED_EXPERTS, local=local_routed_experts, cost=routed_experts_cost,
+       saved=routed_experts_saved)(routed_experts_rule)

@@ -4,9 +4,9 @@ Everything the pipeline knows about an op beyond the generic machinery lives in 
 :class:`OpRecord`, registered under the op's ATen overloads with :func:`record`:
 
 - ``rule(node, in_shapes, out_shapes)``: the op's strategies, as a
-  :class:`~autoparallel.strategies.engine.DimMap` or a list of
-  :class:`~autoparallel.strategies.engine.Strategy` (``None``: the rule does not cover
-  this node; see :mod:`~autoparallel.strategies.rules`).
+  :class:`~autoparallel.strategies.engine.DimMap`, or as a function of the mesh shape that
+  returns a list of :class:`~autoparallel.strategies.engine.Strategy` (``None``: the rule
+  does not cover this node; see :mod:`~autoparallel.strategies.rules`).
 - ``local(call)``: how the op runs on one device when the local op differs from the
   global one (a shape argument holding global sizes, a group count, a mean over a split
   dim, a loss divided by a global count). It receives a :class:`LocalCall` and returns
@@ -15,6 +15,10 @@ Everything the pipeline knows about an op beyond the generic machinery lives in 
 - ``cost(node, strategy, cost_model)``: seconds of communication the op performs itself
   under ``strategy`` (beyond the resharding of its inputs, which the planner prices);
   without it, none.
+- ``saved(node)``: for an op whose per-device form is not the captured op, the tensors that
+  form keeps for its backward beyond its inputs, as ``(global shape, dtype)``, each divided
+  among the devices as the op's work is (``Strategy.split``); the memory model reads it
+  instead of running the captured op. Its inputs count as saved.
 
 The solver asks :func:`record_of` for ``cost``, the passes for ``local``; neither names an
 op. Ops with ``torch.Tag.pointwise`` that have no record of their own and that DTensor's
@@ -130,14 +134,15 @@ class OpRecord:
     rule: Callable
     local: Callable[[LocalCall], fx.Node] | None = None
     cost: Callable[[fx.Node, Any, Any], float] | None = None
+    saved: Callable[[fx.Node], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
 
 
 RECORDS: dict[object, OpRecord] = {}
 """ATen overload, or the name of a library's op (:func:`record`), → its record."""
 
 
-def record(*ops, local: Callable | None = None, cost: Callable | None = None):
-    """Decorator: register the decorated rule, with ``local`` and ``cost``, for every op in
+def record(*ops, local: Callable | None = None, cost: Callable | None = None, saved: Callable | None = None):
+    """Decorator: register the decorated rule, with ``local``, ``cost`` and ``saved``, for every op in
     ``ops``: ATen overloads, or the name (``str`` of the overload, as the coverage report
     prints it: ``"transformers.grouped_mm_fallback.default"``) of an op that a library
     defines with ``torch.library`` when it is imported, so that the overload does not exist
@@ -145,7 +150,7 @@ def record(*ops, local: Callable | None = None, cost: Callable | None = None):
 
     def deco(fn):
         for op in ops:
-            RECORDS[op] = OpRecord(fn, local, cost)
+            RECORDS[op] = OpRecord(fn, local, cost, saved)
         return fn
     return deco
 

@@ -677,10 +677,24 @@ def index_put_rule(node, in_shapes, out_shapes):
                   list(out_shapes))
 
 
-# creation ops and index: replicated by rule (the consumer slices locally for free)
+def local_filled(call: LocalCall):
+    """A filled creation op on one device: its ``size`` the local shape."""
+    return call.emit(None, *call.with_arg("size", list(call.local_out_shape(0))))
+
+
+@record(aten.empty.memory_format, aten.zeros.default, aten.ones.default, aten.full.default, local=local_filled)
+def filled_rule(node, in_shapes, out_shapes):
+    """``empty``, ``zeros``, ``ones``, ``full(size, value)``: every element the same (or
+    unset), so every dim may be split evenly, each device creating its piece
+    (:func:`local_filled`). Captured ``new_*`` calls become these
+    (:mod:`autoparallel.tracer.decompose`)."""
+    labs = _labels(len(out_shapes[0]))
+    return DimMap([], [labs], [], list(out_shapes))
+
+
+# creation ops whose values depend on the position, and index: replicated by rule (the consumer
+# slices locally for free)
 REPLICATE_ONLY = {
-    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
-    aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
-    aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.index.Tensor,
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default, aten.index.Tensor,
     aten.tril.default, aten.triu.default, aten.linspace.default, aten.eye.default,
 }

@@ -19,13 +19,14 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ..errors import CaptureError
 from ..fqn import get_attr
+from ..runtime_kernels.experts import ROUTED_EXPERTS
 
 aten = torch.ops.aten
 
 MATMUL_LIKE = {
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
     aten.baddbmm.default, aten.scaled_dot_product_attention.default, aten.convolution.default,
-    aten.conv1d.default, aten.conv2d.default, aten.einsum.default,
+    aten.conv1d.default, aten.conv2d.default, aten.einsum.default, ROUTED_EXPERTS,
 }
 _NO_GRAD_OPS = {aten.detach.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
 

@@ -8,6 +8,7 @@ the order of the flattened ``(args, kwargs)``. ``no_grad`` regions that export w
 meaning. Nothing is allocated: inputs are meta tensors for a meta-device model and
 FakeTensors on the model's device otherwise, so tensors the forward creates (``arange``
 without ``device=``) land on the same device as the weights, as they do when it runs.
+Routed-experts modules run as one op while export traces (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .batchnorm import decompose_batch_norm
 from .autocast import Autocast, ambient_autocast, materialize_autocast
 from .casts import half_inputs, half_skeleton, restore_master
 from .decompose import decompose_composites
+from .experts import experts_as_one_op
 from .gelu import fuse_gelu
 from .rotary import roll_rotate_half
 from .fused import split_fused_projections
@@ -225,7 +227,7 @@ class ColoTracer:
                    + list(model.named_buffers(remove_duplicate=False))}
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
         try:
-            with _fast_capture():
+            with _fast_capture(), experts_as_one_op(model):
                 ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as e:  # export raises many types; all mean "cannot capture"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

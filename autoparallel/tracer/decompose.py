@@ -25,7 +25,12 @@ neither converts it nor forces its layout) and the per-device graph gets local v
   not); ``unflatten(x, dim, sizes)`` → ``view`` for the same reason (its global ``sizes``
   do not divide a split dim's local size);
 * ``type_as(x, y)`` → ``x.to(dtype=y.dtype, device=y.device)`` (``aten.to.dtype_layout``,
-  which like ``type_as`` returns ``x`` itself when nothing changes); ``y`` may have any shape.
+  which like ``type_as`` returns ``x`` itself when nothing changes); ``y`` may have any shape;
+* ``x.new_empty(size)``, ``new_zeros``, ``new_ones``, ``new_full`` → ``torch.empty(size)``,
+  ``zeros``, ``ones``, ``full`` with ``x``'s dtype and device where the call gives none, whose
+  output the planner may split (:func:`autoparallel.strategies.rules.filled_rule`): DeepSeek's
+  attention builds its ``(B, heads, S, D)`` query in a ``new_empty``, 96 GiB at batch 512 × 4096,
+  which a replicated creation held whole on every device.
 """
 
 from __future__ import annotations
@@ -35,17 +40,20 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..graph import op_args
 from .mutations import call_like
 
 aten = torch.ops.aten
 _REDUCE = {0: None, 1: aten.mean.default, 2: aten.sum.default}
+_NEW_LIKE = {aten.new_empty.default: aten.empty.memory_format, aten.new_zeros.default: aten.zeros.default,
+             aten.new_ones.default: aten.ones.default, aten.new_full.default: aten.full.default}
 _TO_SHAPE_ARG = {aten.view_as.default: aten.view.default, aten.reshape_as.default: aten.reshape.default,
                  aten.expand_as.default: aten.expand.default, aten.unflatten.int: aten.view.default}
 
 
 def decompose_composites(graph: fx.Graph) -> int:
     """Rewrite every ``broadcast_tensors``, ``mse_loss``, ``view_as``, ``reshape_as``,
-    ``expand_as``, ``unflatten`` and ``type_as`` node of ``graph`` (module docstring);
+    ``expand_as``, ``unflatten``, ``type_as`` and ``new_*`` node of ``graph`` (module docstring);
     returns how many were rewritten."""
     count = 0
     for node in list(graph.nodes):
@@ -62,7 +70,19 @@ def decompose_composites(graph: fx.Graph) -> int:
             other = node.args[1].meta["val"]
             count += _replace(graph, node, aten.to.dtype_layout, node.args[0], dtype=other.dtype,
                               device=other.device)
+        elif node.target in _NEW_LIKE:
+            count += _new_like(graph, node)
     return count
+
+
+def _new_like(graph: fx.Graph, node: fx.Node) -> bool:
+    """``x.new_*(size, [fill_value,] dtype=, device=, ...)`` as the creation op of :data:`_NEW_LIKE`."""
+    a = op_args(node)
+    like = a["self"].meta["val"]
+    kwargs = {"dtype": a.get("dtype") or like.dtype, "device": a.get("device") or like.device}
+    kwargs.update({k: a[k] for k in ("layout", "pin_memory") if a.get(k) is not None})
+    args = (a["size"], a["fill_value"]) if "fill_value" in a else (a["size"],)
+    return _replace(graph, node, _NEW_LIKE[node.target], *args, **kwargs)
 
 
 def _replace(graph: fx.Graph, node: fx.Node, target, *args, **kwargs) -> bool:
