@@ -102,3 +102,22 @@ def test_memory_search_states_the_smallest_reachable_peak():
     plan = planner.solve(memory_budget=reachable, inspect=False)
     assert plan.estimate.peak_memory_bytes <= reachable
     assert "smallest peak" in search.budget_message(1)
+
+
+def test_stage1_stops_at_once_below_every_plans_bytes(monkeypatch):
+    """A budget under the fastest plan's peak step's floor (each group's fewest bytes there,
+    summed) ends stage 1 after the one solve: no penalty could fit it. Above the floor the
+    search still runs its penalized solves."""
+    planner = _planner(layers=4, memory=True, batch=4096)
+    built = planner.build_problem()
+    search = MemorySearch(built, planner.memory, solver="cbc", time_limit=20, max_rounds=12)
+    choice = search.stage1(None)[0]
+    step = planner.memory.estimate(choice).peak_step
+    floor = sum(min(r) for r in search.memory_row(step) if r)
+    assert 0 < floor < planner.memory.estimate(choice).peak_bytes
+    solves = []
+    real = MemorySearch._penalized
+    monkeypatch.setattr(MemorySearch, "_penalized", lambda self, *a: solves.append(1) or real(self, *a))
+    assert search.stage1(int(floor) - 1) is None and not solves
+    search.stage1(int(floor) + 1)
+    assert solves
