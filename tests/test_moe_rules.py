@@ -152,3 +152,30 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
     experts = [n for n in pmodel.plan.nodes.values() if "routed_experts" in n.op]
     assert experts and all(n.input_specs[0] == n.input_specs[3] == (Shard(0),) * len(mesh_shape) for n in experts)
     train_side_by_side(ref, pmodel, [batch_for(name, step) for step in range(2)], ranks)
+
+
+def test_expert_parallel_pricing_and_imbalance():
+    """Only the exchange role communicates: four all-to-alls of the pairs' rows and two small
+    ones, scaled by ``CostModel.expert_imbalance`` (part of the cost model's key); the mask
+    role leaves a Partial output and the data role replicates the experts."""
+    from autoparallel.mesh import MeshSpec
+    from autoparallel.solver.costs import CostModel
+    from autoparallel.strategies.moe import routed_experts_cost
+
+    fn, specs = SAMPLES["routed_experts"]
+    (node_strategies, _), = _strategies(fn, specs, ROUTED_EXPERTS)
+    node = next(n for n in _captured(fn, tuple(specs))[1].gm.graph.nodes if n.target is ROUTED_EXPERTS)
+    by_role = {(s.inputs[0][0] != R, s.inputs[3][0] != R): s for s in node_strategies}
+    assert set(by_role) == {(False, False), (True, False), (True, True), (False, True)}
+    assert by_role[(False, True)].outputs[0] == (Partial(),) and by_role[(True, True)].split == 4
+    cm = CostModel("a100").bind(MeshSpec((4,)))
+    costs = {role: routed_experts_cost(node, s, cm) for role, s in by_role.items()}
+    assert costs[(False, False)] == costs[(True, False)] == costs[(False, True)] == 0 < costs[(True, True)]
+    pairs = 4 * 2  # this device's 4 tokens x top-2
+    a2a = lambda nbytes: cm.collective_time("all_to_all", 0, nbytes)  # noqa: E731
+    # the counts (an int64 per device), the pairs' ids (int64), their rows of 8 float32 four times
+    assert costs[(True, True)] == pytest.approx(a2a(8 * 4) + a2a(8 * pairs) + 4 * a2a(pairs * 8 * 4))
+    skewed = CostModel("a100")
+    skewed.expert_imbalance = 2.0
+    assert routed_experts_cost(node, by_role[(True, True)], skewed.bind(MeshSpec((4,)))) > costs[(True, True)]
+    assert skewed.key() != CostModel("a100").key()
