@@ -151,6 +151,7 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
                                               constraints=constraints)
     experts = [n for n in pmodel.plan.nodes.values() if "routed_experts" in n.op]
     assert experts and all(n.input_specs[0] == n.input_specs[3] == (Shard(0),) * len(mesh_shape) for n in experts)
+    assert "per device; expert parallel over" in str(pmodel.plan)
     train_side_by_side(ref, pmodel, [batch_for(name, step) for step in range(2)], ranks)
 
 
@@ -179,3 +180,20 @@ def test_expert_parallel_pricing_and_imbalance():
     skewed.expert_imbalance = 2.0
     assert routed_experts_cost(node, by_role[(True, True)], skewed.bind(MeshSpec((4,)))) > costs[(True, True)]
     assert skewed.key() != CostModel("a100").key()
+
+
+def test_fsdp_ep_recipe_splits_the_experts_by_expert_over_the_last_axis():
+    """The FSDP + EP recipe: routed experts held by expert over the last axis and along dim 1 over
+    the other, read by expert; their output split over both axes; the rest as FSDP."""
+    from autoparallel.mesh import MeshSpec
+    from autoparallel.recipes import recipes
+    from autoparallel.tracer import capture
+
+    traced = capture(hf_model("mixtral"), to_meta(batch_for("mixtral", 0)))
+    by_name = {r.name: r for r in recipes(traced, MeshSpec((2, 2)))}
+    ep, fsdp = by_name["FSDP + EP over dim1"].constraints, by_name["FSDP (ZeRO-3)"].constraints
+    assert ep["model.layers.*.mlp.experts.gate_up_proj"] == "S1(dim0) S0(dim1) -> S0(dim1)"
+    assert ep["model.layers.*.mlp.experts"] == "S0(dim0) S0(dim1)"
+    assert {k: v for k, v in ep.items() if ".experts" not in k} == {k: v for k, v in fsdp.items() if ".experts" not in k}
+    plan = autoparallel.plan(hf_model("mixtral"), to_meta(batch_for("mixtral", 0)), mesh_shape=(2, 2), constraints=ep)
+    assert "experts, 2 per device; expert parallel over dim1" in str(plan)
