@@ -156,8 +156,8 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
 
 
 def test_expert_parallel_pricing_and_imbalance():
-    """Only the exchange role communicates: four all-to-alls of the pairs' rows and two small
-    ones, scaled by ``CostModel.expert_imbalance`` (part of the cost model's key); the mask
+    """Only the exchange role communicates: four all-to-alls of the pairs' rows and one of the
+    counts per expert, the rows scaled by ``CostModel.expert_imbalance`` (part of the cost model's key); the mask
     role leaves a Partial output and the data role replicates the experts."""
     from autoparallel.mesh import MeshSpec
     from autoparallel.solver.costs import CostModel
@@ -174,8 +174,8 @@ def test_expert_parallel_pricing_and_imbalance():
     assert costs[(False, False)] == costs[(True, False)] == costs[(False, True)] == 0 < costs[(True, True)]
     pairs = 4 * 2  # this device's 4 tokens x top-2
     a2a = lambda nbytes: cm.collective_time("all_to_all", 0, nbytes)  # noqa: E731
-    # the counts (an int64 per device), the pairs' ids (int64), their rows of 8 float32 four times
-    assert costs[(True, True)] == pytest.approx(a2a(8 * 4) + a2a(8 * pairs) + 4 * a2a(pairs * 8 * 4))
+    # the counts (an int64 per expert), the pairs' rows of 8 float32 four times
+    assert costs[(True, True)] == pytest.approx(a2a(8 * 4) + 4 * a2a(pairs * 8 * 4))
     skewed = CostModel("a100")
     skewed.expert_imbalance = 2.0
     assert routed_experts_cost(node, by_role[(True, True)], skewed.bind(MeshSpec((4,)))) > costs[(True, True)]

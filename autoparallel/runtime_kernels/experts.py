@@ -49,16 +49,20 @@ def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tenso
     return torch.cat([piece @ weight[e].t() for e, piece in enumerate(torch.split(x, counts))])
 
 
-def _exchange(x: torch.Tensor, experts: torch.Tensor, dest: torch.Tensor, n: int, group: str):
-    """Send the rows of ``x`` (and their expert ids ``experts``), sorted by ``dest`` (their
-    device along the axis of ``group``, ``n`` devices), to those devices. Returns the received
-    rows and ids and the split sizes ``(sent, received)`` for the way back."""
-    sent = torch.bincount(dest, minlength=n)
-    received = all_to_all_single(sent, [1] * n, [1] * n, group).wait()
-    sent, received = sent.tolist(), received.tolist()
+def _exchange(x: torch.Tensor, local: torch.Tensor, span: int, n: int, group: str):
+    """Send the rows of ``x``, sorted by ``local`` (their expert's index, ``0..span-1``, in the
+    experts this device's range holds), to the device of the axis of ``group`` (``n`` devices,
+    ``span / n`` experts each) holding their expert; the counts per expert go first, so each
+    device knows what it receives (and the experts of what it receives: no ids travel). Returns the received rows (by source device, then by
+    expert), their experts' indices in the receiver's ``span / n`` and the split sizes
+    ``(sent, received)`` for the way back."""
+    piece = span // n
+    counts = torch.bincount(local, minlength=span)
+    got = all_to_all_single(counts, [piece] * n, [piece] * n, group).wait()  # source, then own expert
+    sent, received = counts.view(n, piece).sum(1).tolist(), got.view(n, piece).sum(1).tolist()
     x = all_to_all_single_autograd(x, received, sent, group)
-    experts = all_to_all_single(experts, received, sent, group).wait()
-    return x, experts, sent, received
+    mine = torch.arange(piece, device=local.device).repeat(n).repeat_interleave(got)
+    return x, mine, sent, received
 
 
 def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -89,24 +93,23 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     x = hidden[order // k]
-    lo, span = 0, gate_up_proj.shape[0]
+    span = gate_up_proj.shape[0]
     for _, n, _, _ in hops:
         span *= n
     back = []
-    for kind, n, coord, group in hops:
+    for kind, n, coord, group in hops:  # experts: indices into the current range of span experts
         piece = span // n
         if kind == "mask":
-            pos = ((experts >= lo + coord * piece) & (experts < lo + (coord + 1) * piece)).nonzero().squeeze(1)
+            pos = ((experts >= coord * piece) & (experts < (coord + 1) * piece)).nonzero().squeeze(1)
             back.append((kind, pos, x.shape[0]))
-            x, experts = x[pos], experts[pos]
+            x, experts = x[pos], experts[pos] - coord * piece
         else:
-            x, experts, sent, received = _exchange(x, experts, torch.div(experts - lo, piece, rounding_mode="floor"),
-                                                   n, group)
+            x, experts, sent, received = _exchange(x, experts, span, n, group)
             resort = torch.argsort(experts, stable=True)
             x, experts = x[resort], experts[resort]
             back.append((kind, resort, (sent, received, group)))
-        lo, span = lo + coord * piece, piece
-    counts = torch.bincount(experts - lo, minlength=gate_up_proj.shape[0]).tolist()
+        span = piece
+    counts = torch.bincount(experts, minlength=span).tolist()
     gate, up = _grouped(x.to(gate_up_proj.dtype), gate_up_proj, counts).chunk(2, dim=-1)
     y = _grouped((ACTIVATIONS[act](gate) * up).to(down_proj.dtype), down_proj, counts)
     for kind, where, extra in reversed(back):

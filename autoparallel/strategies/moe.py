@@ -188,25 +188,26 @@ def local_routed_experts(call: LocalCall):
 
 def routed_experts_cost(node, strategy, cost_model) -> float:
     """Seconds of the all-to-alls of each ``"exchange"`` axis: per axis, the counts (one int64
-    per device) and the pairs' expert ids (int64) once, the pairs' hidden rows four times
+    per expert of the range the axis divides) once, the pairs' hidden rows four times
     (dispatch and combine, forward and backward; GShard, Lepikhin et al. 2020, §2.2), each
     device sending its share of the pairs times ``cost_model.expert_imbalance`` (1: balanced
     routing). A ``"mask"`` axis before it leaves a device ``1/n`` of its pairs to send."""
     mesh_shape = cost_model.mesh.shape
-    hidden, idx = (x for _, x in tensor_inputs(node)[:2])
+    hidden, idx, _, gate_up, _ = (x for _, x in tensor_inputs(node))
     shape, dtype = node_info(hidden).outputs[0]
     pairs = math.prod(local_shape(tuple(idx.meta["val"].shape), strategy.inputs[1], mesh_shape))
     pairs *= cost_model.expert_imbalance
     row = shape[1] * dtype.itemsize
     passes = 4 if node_info(node).requires_grad else 2
-    cost = 0.0
+    span, cost = node_info(gate_up).outputs[0][0][0], 0.0
     for kind, a in expert_hops(strategy.inputs, mesh_shape):
         n = mesh_shape[a]
-        if kind == "mask":
+        if kind == "exchange":
+            cost += cost_model.collective_time("all_to_all", a, 8 * span)
+            cost += passes * cost_model.collective_time("all_to_all", a, pairs * row)
+        else:
             pairs /= n
-            continue
-        cost += cost_model.collective_time("all_to_all", a, 8 * n) + cost_model.collective_time("all_to_all", a, 8 * pairs)
-        cost += passes * cost_model.collective_time("all_to_all", a, pairs * row)
+        span //= n
     return cost
 
 
