@@ -5,6 +5,9 @@ AdamW, the loss of the model's own ``labels=`` path):
 
 * ``gpt2``: GPT-2, 4 layers x 256 hidden, 4 heads, vocabulary 2048;
 * ``llama``: Llama, 4 layers x 256 hidden, 8 heads / 4 key-value heads, MLP 688, vocabulary 2048;
+* ``mixtral`` (only with ``--models mixtral``): Mixtral, 4 layers x 256 hidden, 8 heads / 4
+  key-value heads, 8 experts of MLP 512, each token routed to 2, vocabulary 2048, no router
+  loss (``output_router_logits=False``);
 
 global batch 8 x 128 tokens. One row per variant and configuration (world size and mesh):
 
@@ -17,14 +20,29 @@ global batch 8 x 128 tokens. One row per variant and configuration (world size a
   ``ColwiseParallel``, o and down ``RowwiseParallel``; every rank the whole batch;
 * ``FSDP2+TP`` (mesh (2, 2)): TP over the second mesh axis, then ``fully_shard`` over the first.
 
+Mixtral's rows (E experts, W ranks): eager and autoparallel (world 1), then autoparallel,
+``autoparallel EP``, DDP, FSDP2 and ``torch EP + DDP`` (no autoparallel data, TP or FSDP2+TP):
+
+* ``autoparallel EP``: expert parallelism forced by ``constraints=``: ``*.experts.gate_up_proj``
+  and ``*.experts.down_proj`` held and read split by expert (``"S0 -> S0"``), ``*.mlp.experts``
+  computed so (``"S0"``; on (2, 2) over both axes, ``"S0(0) S0(1)"``): every rank E/W experts,
+  the tokens sent to their expert's rank by all-to-all;
+* ``torch EP + DDP``: expert parallelism by hand, torchtitan's way (:func:`ep_module`): every
+  rank E/W experts (its slice of ``gate_up_proj`` and ``down_proj`` along dim 0), each experts
+  module's forward replaced by :func:`ep_forward` (the (token, expert) pairs sorted by expert,
+  the counts exchanged, the token rows sent to their expert's rank and back with
+  ``all_to_all_single``), the other parameters under DDP, which ignores the experts'; the expert
+  gradients divided by W (each sums every rank's local-mean loss). With ``--quick``, a note says
+  whether one AdamW step leaves the all-gathered experts those of the single-device model.
+
 Configurations: world 1, mesh (1,) (eager against autoparallel); world 2, mesh (2,); world 4,
-meshes (4,) and (2, 2) (DDP and FSDP2 run over all 4 ranks and appear under both). Each world
-size is one ``torchrun`` job; inside it every variant is built up front, warmed up, then timed
-in interleaved rounds (each round times ``--steps`` steps of every variant in turn, the order
-rotating from round to round); the step time is the median over rounds of the slowest rank's
-mean step. A step is forward, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``;
-``fwd+bwd`` is its forward and backward part; the plan's estimate
-(``plan.estimate.step_time_s``) predicts the whole step, the optimizer step included.
+meshes (4,) and (2, 2) (DDP, FSDP2 and torch EP + DDP run over all 4 ranks and appear under
+both). Each world size is one ``torchrun`` job; inside it every variant is built up front,
+warmed up, then timed in interleaved rounds (each round times ``--steps`` steps of every variant
+in turn, the order rotating from round to round); the step time is the median over rounds of
+the slowest rank's mean step. A step is forward, backward, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``; ``fwd+bwd`` is its forward and backward part; the plan's
+estimate (``plan.estimate.step_time_s``) predicts the whole step, the optimizer step included.
 
 Peak memory per device, the largest rank: on CUDA, ``torch.cuda.max_memory_allocated`` over the
 variant's warm-up steps (counter reset once it is built) minus what was allocated before it was
@@ -41,6 +59,7 @@ it does not).
     python benchmarks/vs_torch.py                     # every model, worlds 1, 2 and 4: one table
     python benchmarks/vs_torch.py --quick             # tiny sizes, few steps (a smoke run)
     python benchmarks/vs_torch.py --models llama --worlds 2 --json out.json
+    python benchmarks/vs_torch.py --models mixtral --worlds 2,4   # the mixture-of-experts rows
     torchrun --standalone --nproc-per-node 2 benchmarks/vs_torch.py --models gpt2   # one job, its table
 
 Pipeline rows (``--pipeline``; world 4, GPT-2 of 8 layers, otherwise the sizes above): on meshes
@@ -83,6 +102,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -105,7 +125,8 @@ import autoparallel  # noqa: E402  (before transformers' model classes: see READ
 
 SEED = 0
 LR = 1e-4
-RECIPES = ("DDP", "FSDP2", "TP", "FSDP2+TP")
+EP_RECIPE = "torch EP + DDP"
+RECIPES = ("DDP", "FSDP2", "TP", "FSDP2+TP", EP_RECIPE)
 AUTO = ("autoparallel", "autoparallel data")
 GPT2_TP_NA = ("HF GPT-2's c_attn, c_proj and c_fc are transformers Conv1D modules (weight stored in x out), "
               "which ColwiseParallel/RowwiseParallel cannot shard (nn.Linear and nn.Embedding only), and c_attn "
@@ -123,7 +144,9 @@ def model_sizes(name: str, quick: bool) -> dict:
         return dict(common, heads=4)
     if name == "llama":
         return dict(common, heads=8, kv_heads=4, intermediate=176 if quick else 688)
-    raise ValueError(f"unknown model {name!r}; choose gpt2 or llama")
+    if name == "mixtral":
+        return dict(common, heads=8, kv_heads=4, intermediate=128 if quick else 512, experts=8, top_k=2)
+    raise ValueError(f"unknown model {name!r}; choose gpt2, llama or mixtral")
 
 
 def build_model(name: str, quick: bool, sizes: dict | None = None):
@@ -138,6 +161,13 @@ def build_model(name: str, quick: bool, sizes: dict | None = None):
                            n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                            summary_first_dropout=0.0, use_cache=False)
         cls = T.GPT2LMHeadModel
+    elif name == "mixtral":
+        cfg = T.MixtralConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                              num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"],
+                              num_local_experts=s["experts"], num_experts_per_tok=s["top_k"], vocab_size=s["vocab"],
+                              max_position_embeddings=s["seq"], attention_dropout=0.0, use_cache=False,
+                              output_router_logits=False)
+        cls = T.MixtralForCausalLM
     else:
         cfg = T.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                             num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"],
@@ -193,6 +223,7 @@ class Variant:
         self.fwd_bwd = None           # pipelined: () -> loss, the schedule's forward and backward of the batch
         self.loss_value = None        # pipelined: loss -> float, the batch's loss (called on the first step only)
         self.pp_rank = None           # pipelined: this rank's coordinate along the pipeline axis
+        self.note = None              # a line for the table's notes
 
     def make_optimizer(self):
         make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
@@ -297,25 +328,33 @@ def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, **op
     return v
 
 
+def world_meshes(device_type, world) -> dict:
+    """The meshes a world size is measured on, shape -> DeviceMesh (axes ``dp``, ``tp``): (1,);
+    (2,); (world,) and (2, world // 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shapes = [(1,)] if world == 1 else [(2,)] if world == 2 else [(world,), (2, world // 2)]
+    return {m: init_device_mesh(device_type, m, mesh_dim_names=("dp", "tp")[:len(m)]) for m in shapes}
+
+
+def mesh_label(shape) -> str:
+    return str(shape).replace(" ", "")
+
+
 def build_variants(args, model_name, model, s, batch, device_type, rank, world):
     """Every variant of this world size, built one at a time as the caller asks for the next
     (a generator, so that each is measured right after it is built); the model's own weights are
     copied, never trained."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     dev = batch["input_ids"].device
     if world == 1:
         yield Variant("eager", "(1,)", ["(1,)"], copy.deepcopy(model).to(dev), batch, kind="eager")
-        meshes = [(1,)]
-    elif world == 2:
-        meshes = [(2,)]
-    else:
-        meshes = [(world,), (2, world // 2)]
-    labels = {m: str(m).replace(" ", "") for m in meshes}
+    device_meshes = world_meshes(device_type, world)
+    meshes = list(device_meshes)
+    labels = {m: mesh_label(m) for m in meshes}
     flat = [labels[m] for m in meshes]
-    device_meshes = {m: init_device_mesh(device_type, m, mesh_dim_names=("dp", "tp")[:len(m)]) for m in meshes}
 
     # autoparallel: every rank passes the global batch
     for m in meshes:
@@ -356,6 +395,164 @@ def build_variants(args, model_name, model, s, batch, device_type, rank, world):
             dp_index = mesh2.get_coordinate()[0]
             yield Variant("FSDP2+TP", labels[m2], [labels[m2]], both, rows_of(batch, dp_index, m2[0]),
                           mean_loss=True)
+
+
+# --------------------------------------------------------------------------- mixture-of-experts rows
+
+MOE_MODELS = ("mixtral",)
+
+
+def ep_constraints(shape) -> dict:
+    """autoparallelize's constraints forcing expert parallelism over every axis of the mesh
+    ``shape``: the experts held and read split by expert (dim 0), the routed experts computed
+    split alike, the tokens sent to their expert's rank by all-to-all."""
+    split = "S0" if len(shape) == 1 else " ".join(f"S0({i})" for i in range(len(shape)))
+    return {"*.experts.gate_up_proj": f"{split} -> {split}", "*.experts.down_proj": f"{split} -> {split}",
+            "*.mlp.experts": split}
+
+
+def experts_modules(module) -> list:
+    """The routed-experts modules (``MixtralExperts``) of ``module``, in order."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    return [m for m in module.modules() if isinstance(m, MixtralExperts)]
+
+
+def local_experts(experts, x, counts: list[int]):
+    """This rank's experts on the rows routed to them: ``x`` (R, H) grouped by local expert,
+    ``counts[e]`` rows of expert e (E/W counts, summing to R); each group through
+    ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))``, ``gate_up_proj`` (E/W, 2I, H) gate rows
+    first, ``down_proj`` (E/W, H, I). Returns (R, H)."""
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        gate, up = (rows @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        outs.append((torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T)
+    return torch.cat(outs)
+
+
+def ep_forward(experts, group, x, top_k_index, top_k_weights):
+    """The routed experts, expert parallel over ``group`` (W ranks, rank r holding experts
+    [r E/W, (r+1) E/W) in ``experts``), as torchtitan dispatches: the (token, expert) pairs sorted
+    by expert, the counts per expert exchanged, each pair's token row sent to its expert's rank
+    (all-to-all with autograd), the rows computed there (:func:`local_experts`), sent back, put
+    in pair order and summed over k with the routing weights. ``x`` (T, H), ``top_k_index`` and
+    ``top_k_weights`` (T, k); returns (T, H)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    world = dist.get_world_size(group)
+    n_local = experts.gate_up_proj.shape[0]
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)                                   # (T k,): pair t k + j -> its expert
+    order = flat.argsort(stable=True)                                # pairs by expert, so by destination
+    sent = torch.bincount(flat, minlength=world * n_local)           # (E,) pairs per expert
+    got = torch.empty_like(sent)                                     # (W E/W,) pairs from rank src for local e
+    dist.all_to_all_single(got, sent, group=group)
+    send_splits = sent.view(world, n_local).sum(1).tolist()
+    recv_splits = got.view(world, n_local).sum(1).tolist()
+    rows = x[order // k]                                             # (T k, H)
+    recv = all_to_all_single(x.new_empty(sum(recv_splits), x.shape[1]), rows, recv_splits, send_splits,
+                             group=group)                            # (R, H): by source rank, then local expert
+    expert_of = torch.arange(n_local, device=x.device).repeat(world).repeat_interleave(got)  # (R,)
+    by_expert = expert_of.argsort(stable=True)
+    out = local_experts(experts, recv[by_expert], got.view(world, n_local).sum(0).tolist())[by_expert.argsort()]
+    back = all_to_all_single(torch.empty_like(rows), out, send_splits, recv_splits, group=group)  # (T k, H)
+    pairs = back[order.argsort()].view(tokens, k, -1)               # (T, k, H)
+    return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+
+def ep_module(model, dev, group):
+    """A copy of ``model`` with expert parallelism by hand over ``group`` (W ranks): every
+    routed-experts module holds this rank's E/W experts (rank r: ``gate_up_proj`` and
+    ``down_proj`` rows [r E/W, (r+1) E/W)) and runs :func:`ep_forward`; the rest under
+    ``DistributedDataParallel``, which ignores the experts' parameters and averages the other
+    gradients. An expert's gradient sums every rank's local-mean loss over the tokens routed to
+    it, W times the global batch's: a hook divides it by W as it is computed, so that the step
+    is the single-device model's on the global batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = copy.deepcopy(model).to(dev)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    names = {id(m): n for n, m in module.named_modules()}
+    ignored = []
+    for m in experts_modules(module):
+        n_local = m.gate_up_proj.shape[0] // world
+        for attr in ("gate_up_proj", "down_proj"):
+            p = torch.nn.Parameter(getattr(m, attr)[rank * n_local:(rank + 1) * n_local].detach().clone())
+            p.register_hook(lambda g: g / world)
+            setattr(m, attr, p)
+            ignored.append(f"{names[id(m)]}.{attr}")
+        m.forward = functools.partial(ep_forward, m, group)
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    return DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+
+
+def gathered(t, group):
+    """Every rank's experts: ``t`` (E/W, ...) gathered along dim 0 over ``group``, (E, ...)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def largest_relative_difference(mine: list, want: list, group) -> float:
+    """Over pairs of tensors, ``mine`` this rank's experts (E/W, ...) and ``want`` all of them
+    (E, ...): the largest max |gathered - want| / max |want|."""
+    return max(float((gathered(a, group) - b).abs().max() / b.abs().max()) for a, b in zip(mine, want))
+
+
+def expert_step(module, batch) -> tuple[list, list]:
+    """One AdamW step of ``module`` on ``batch``: the experts' gradients, then their weights
+    after the step (``gate_up_proj`` and ``down_proj`` of every experts module, in order)."""
+    params = [getattr(m, a) for m in experts_modules(module) for a in ("gate_up_proj", "down_proj")]
+    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    module(**batch).loss.backward()
+    grads = [p.grad.clone() for p in params]
+    opt.step()
+    return grads, [p.detach() for p in params]
+
+
+def ep_step_check(model, batch, dev, group, rtol=1e-5) -> str:
+    """A line saying whether one AdamW step of :func:`ep_module` (each rank its share of
+    ``batch``) leaves the experts' weights, all-gathered, those of the single-device model after
+    its step on the whole batch: the largest |difference| over the largest |value| of each
+    tensor, at most ``rtol``; the gradients' likewise (AdamW's first step hardly depends on the
+    gradients' scale: they are the stricter check)."""
+    ref = expert_step(copy.deepcopy(model).to(dev), batch)
+    ep = expert_step(ep_module(model, dev, group),
+                     rows_of(batch, dist.get_rank(group), dist.get_world_size(group)))
+    grad_err, weight_err = (largest_relative_difference(mine, want, group) for mine, want in zip(ep, ref))
+    ok = max(grad_err, weight_err) <= rtol
+    return (f"{EP_RECIPE}: after one AdamW step the all-gathered expert weights {'match' if ok else 'DO NOT match'} "
+            f"the single-device model's (largest relative difference: weights {weight_err:.1e}, gradients "
+            f"{grad_err:.1e}; tolerance {rtol:g})")
+
+
+def build_moe_variants(args, model_name, model, s, batch, device_type, rank, world):
+    """The mixture-of-experts rows of this world size, one at a time (as :func:`build_variants`):
+    per mesh, ``autoparallel`` (the planner's choice) and ``autoparallel EP`` (expert parallelism
+    forced by :func:`ep_constraints`), every rank passing the global batch; then over all ranks,
+    each its share of the batch, DDP, FSDP2 and :func:`ep_module` (with ``--quick``, its
+    :func:`ep_step_check` line in the notes). World 1: the eager model and autoparallel."""
+    dev = batch["input_ids"].device
+    if world == 1:
+        yield Variant("eager", "(1,)", ["(1,)"], copy.deepcopy(model).to(dev), batch, kind="eager")
+    device_meshes = world_meshes(device_type, world)
+    for m, mesh in device_meshes.items():
+        yield autoparallel_variant(args, "autoparallel", model, batch, mesh, mesh_label(m), parallelism="auto")
+        if world > 1:
+            yield autoparallel_variant(args, "autoparallel EP", model, batch, mesh, mesh_label(m),
+                                       constraints=ep_constraints(m))
+    if world == 1:
+        return
+    flat = [mesh_label(m) for m in device_meshes]
+    local = rows_of(batch, rank, world)
+    yield Variant("DDP", f"({world},)", flat, ddp_module(model, dev), local, mean_loss=True)
+    yield Variant("FSDP2", f"({world},)", flat, fsdp_module(model, dev, device_meshes[(world,)]), local,
+                  mean_loss=True)
+    group = device_meshes[(world,)].get_group()
+    v = Variant(EP_RECIPE, f"({world},)", flat, ep_module(model, dev, group), local, mean_loss=True)
+    if args.quick:
+        v.note = ep_step_check(model, batch, dev, group)
+    yield v
 
 
 # --------------------------------------------------------------------------- pipeline rows
@@ -651,7 +848,7 @@ def run_model(args, model_name, dev, rank, world) -> dict:
     batch = global_batch(s, dev)
     with torch.no_grad():
         ref_loss = float(copy.deepcopy(model).to(dev)(**batch).loss.item())
-    build = build_pipeline_variants if pipeline else build_variants
+    build = build_pipeline_variants if pipeline else build_moe_variants if model_name in MOE_MODELS else build_variants
     variants = build_and_measure(build(args, model_name, model, s, batch, dev.type, rank, world), args, dev)
     time_rounds(variants, args, dev, world)
     if pipeline:
@@ -761,7 +958,7 @@ def variant_record(v: Variant) -> dict:
         "step_s": statistics.median(v.step_s) if v.step_s else None,
         "fwd_bwd_s": statistics.median(v.fb_s) if v.fb_s else None,
         "rounds_step_s": v.step_s, "estimate_s": v.estimate, "estimate_parts": v.est_parts,
-        "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error}
+        "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error, "note": v.note}
 
 
 # --------------------------------------------------------------------------- the table
@@ -815,6 +1012,9 @@ def table(results: list[dict]) -> str:
                                  f"the eager model's {res['ref_loss']:.6f}")
                 if v["error"]:
                     notes.append(f"{res['model']} {v['name']} {v['mesh']}: {v['error']}")
+                note = v.get("note") and f"{res['model']} world {res['world']} {v['note']}"
+                if note and note not in notes:
+                    notes.append(note)
                 if est and t:
                     err = est / t - 1
                     checks.append(f"{res['model']} {cfg}: {v['name']} estimate {fmt_s(est)} vs measured step "
@@ -884,7 +1084,7 @@ def table(results: list[dict]) -> str:
         f"cost model: {r0.get('cost_model')}" + (f"; links as planned: {'; '.join(links)}" if links else ""),
         f"peak MiB: per device, largest rank, {r0.get('memory')}; loss0: the step-0 loss of the global batch "
         "(must equal the eager model's)",
-        "vs DDP / vs best recipe: s/step over DDP's / over the fastest of DDP, FSDP2, TP and FSDP2+TP (pipeline "
+        f"vs DDP / vs best recipe: s/step over DDP's / over the fastest of {', '.join(RECIPES)} (pipeline "
         f"rows: {PIPE_RECIPE}, torch.distributed.pipelining by hand) in the same configuration"])
     if any(r.get("pipeline") for r in results):
         head += ("\npipeline rows: autoparallelize(..., device_mesh=pp mesh, schedule=, microbatches=) next to "
@@ -906,7 +1106,7 @@ def table(results: list[dict]) -> str:
 def arg_parser(description: str, models: str = "gpt2,llama", worlds: str = "1,2,4") -> argparse.ArgumentParser:
     """The options every benchmark built on this script's machinery takes (a caller may add its own)."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--models", default=models, help="comma-separated: gpt2 and/or llama"
+    ap.add_argument("--models", default=models, help="comma-separated: gpt2, llama and/or mixtral"
                     + (f" (default {models})" if models else ""))
     ap.add_argument("--worlds", default=worlds, help="driver: comma-separated world sizes (1, 2, 4)"
                     + (f" (default {worlds})" if worlds else ""))
