@@ -53,9 +53,9 @@ def _exchange(x: torch.Tensor, local: torch.Tensor, span: int, n: int, group: st
     """Send the rows of ``x``, sorted by ``local`` (their expert's index, ``0..span-1``, in the
     experts this device's range holds), to the device of the axis of ``group`` (``n`` devices,
     ``span / n`` experts each) holding their expert; the counts per expert go first, so each
-    device knows what it receives (and the experts of what it receives: no ids travel). Returns the received rows (by source device, then by
-    expert), their experts' indices in the receiver's ``span / n`` and the split sizes
-    ``(sent, received)`` for the way back."""
+    device knows what it receives and from which expert (no ids travel). Returns the received
+    rows (by source device, then by expert), their experts' indices in the receiver's
+    ``span / n`` and the split sizes ``(sent, received)`` for the way back."""
     piece = span // n
     counts = torch.bincount(local, minlength=span)
     got = all_to_all_single(counts, [piece] * n, [piece] * n, group).wait()  # source, then own expert
