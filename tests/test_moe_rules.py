@@ -6,11 +6,8 @@ and DeepSeek-V3 (shared and routed experts, top-4) models: planned without a fal
 equal to one device on (4,) and (2, 2), with the planner's choice and with expert parallelism
 forced."""
 
-import copy
-
 import pytest
 import torch
-from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Shard
 
 import autoparallel
@@ -19,7 +16,7 @@ from autoparallel.runtime_kernels.experts import ROUTED_EXPERTS
 from autoparallel.strategies import RECORDS, generator
 from autoparallel.strategies.coverage import FALLBACK, RULE
 from models import EXPERT_PARALLEL, MOE, batch_for, hf_model, to_meta
-from test_parity import run_parity, train_side_by_side
+from test_parity import run_parity
 from test_rules import _captured, _check_all_strategies, _int
 
 pytest.importorskip("transformers.integrations.moe")  # defines transformers::grouped_mm_fallback
@@ -143,17 +140,10 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
     device's over two SGD steps."""
     held, out = EXPERT_PARALLEL[mesh_shape]
     constraints = {"*.experts.gate_up_proj": held, "*.experts.down_proj": held, "*.mlp.experts": out}
-    mesh = sim_mesh(mesh_shape)
-    ref = hf_model(name)
-    model = copy.deepcopy(ref)
-    ranks = frozenset(range(mesh.size()))
-    with LocalTensorMode(ranks):
-        pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0)), device_mesh=mesh,
-                                              constraints=constraints)
+    pmodel = run_parity(name, mesh_shape, "cpu", sim_mesh, steps=2, constraints=constraints)
     experts = [n for n in pmodel.plan.nodes.values() if "routed_experts" in n.op]
     assert experts and all(n.input_specs[0] == n.input_specs[3] == (Shard(0),) * len(mesh_shape) for n in experts)
     assert "per device; expert parallel over" in str(pmodel.plan)
-    train_side_by_side(ref, pmodel, [batch_for(name, step) for step in range(2)], ranks)
 
 
 def test_expert_parallel_pricing_and_imbalance():

@@ -58,18 +58,18 @@ def train_side_by_side(ref, pmodel, batches, ranks, loss=loss_of, lr=0.1):
         ref_opt.step()
 
 
-def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8):
+def run_parity(name, mesh_shape, cost, sim_mesh, steps=4, ref=None, batch=8, **options):
     """Train ``name`` (or ``ref``, a model with ``name``'s inputs) on a simulated mesh and on one
     device side by side, on batches of ``batch`` samples: the loss and every parameter gradient
     must agree on every rank at each of ``steps`` checks, with an SGD step after each.
-    Returns the parallel module."""
+    ``options`` go to ``autoparallelize``. Returns the parallel module."""
     mesh = sim_mesh(mesh_shape)
     ref = build(name) if ref is None else ref
     model = copy.deepcopy(ref)
     ranks = frozenset(range(mesh.size()))
     with LocalTensorMode(ranks):
         pmodel = autoparallel.autoparallelize(model, to_meta(batch_for(name, 0, batch=batch)), device_mesh=mesh,
-                                              cost_model=COST_MODELS[cost]())
+                                              cost_model=COST_MODELS[cost](), **options)
     assert pmodel.plan.collectives, "the plan should exercise communication"
     ref_params = dict(ref.named_parameters())
     assert set(dict(pmodel.named_parameters())) == set(ref_params)
