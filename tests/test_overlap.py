@@ -168,6 +168,27 @@ def test_input_collectives_are_issued_first_and_returned_sums_fused():
     assert [n.target for n in nodes if n.op == "call_function"][-1] is deferred_reduced_output
 
 
+def test_gathers_do_not_run_ahead_of_writes_into_their_inputs():
+    """A gather whose input is read from a tensor written in place through a view (T5's shifted
+    decoder ids: a ``zeros`` filled through a slice from the labels) stays after the write; the
+    gather before it may still be prefetched up to it only through movable ops."""
+    from autoparallel.passes.overlap import prefetch_param_gathers
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    labels, w = g.placeholder("labels"), g.get_attr("w")
+    first = g.call_function(_c10d.all_gather_into_tensor.default, (w, 2, "1"))
+    g.call_function(_c10d.wait_tensor.default, (first,))
+    ids = g.call_function(aten.zeros.default, ([8, 12],), {"dtype": torch.int64})
+    write = g.call_function(aten.copy_.default, (g.call_function(aten.slice.Tensor, (ids, 1, 1)), labels))
+    rows = g.call_function(aten.embedding.default, (w, ids))
+    second = g.call_function(_c10d.all_gather_into_tensor.default, (rows, 2, "1"))
+    g.output((g.call_function(_c10d.wait_tensor.default, (second,)),))
+    assert prefetch_param_gathers(g) == 0
+    nodes = list(g.nodes)
+    assert nodes.index(write) < nodes.index(rows) < nodes.index(second)
+
+
 @pytest.mark.slow
 def test_fused_returned_loss_keeps_parity(sim_mesh):
     """GPT-2 (the benchmark's quick size) split by batch on (2,): its loss's label count is

@@ -69,7 +69,8 @@ def sink_waits(graph: fx.Graph) -> int:
 
 def prefetch_param_gathers(graph: fx.Graph) -> int:
     """Issue each parameter all-gather right after the previous one's wait (with the ops
-    preparing its input). Returns how many gathers moved earlier."""
+    preparing its input, unless one of them writes in place or reads a value written in place:
+    :func:`_movable`, :func:`_written_in_place`). Returns how many gathers moved earlier."""
     data = data_dependent(graph)
     gathers = [n for n in graph.nodes if n.op == "call_function" and n not in data
                and n.target is _c10d.all_gather_into_tensor.default]
@@ -83,6 +84,8 @@ def prefetch_param_gathers(graph: fx.Graph) -> int:
         if order[cur] < order[anchor]:
             continue
         chain = _ancestors_after(cur, order[anchor], order)
+        if any(not _movable(n) or _written_in_place(n) for n in chain):
+            continue
         for n in sorted(chain, key=order.__getitem__):
             anchor.append(n)
             anchor = n
@@ -117,7 +120,7 @@ def hoist_input_collectives(graph: fx.Graph) -> int:
     for c in [n for n in graph.nodes if n.op == "call_function" and n.target in _COLLECTIVES]:
         order = {n: i for i, n in enumerate(graph.nodes)}
         cone = _ancestors_after(c, order[anchor], order)
-        if c in from_state or any(not _movable(n) for n in cone):
+        if c in from_state or any(not _movable(n) or _written_in_place(n) for n in cone):
             continue
         if all(order[n] == order[anchor] + 1 + i for i, n in enumerate(sorted(cone, key=order.__getitem__))):
             anchor = c  # already right after the anchor
@@ -138,6 +141,24 @@ def _movable(node: fx.Node) -> bool:
     if schema is not None and schema.is_mutable:
         return False
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an op writes ``node``'s value in place, directly or through a view of it (T5
+    builds its decoder inputs in a ``zeros`` written through a slice and a select): moved
+    earlier, a reader of ``node`` would read it before those writes."""
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            schema = getattr(user.target, "_schema", None)
+            if user in seen or schema is None:
+                continue
+            seen.add(user)
+            if schema.is_mutable:
+                return True
+            if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are node's
+                todo.append(user)
+    return False
 
 
 def _sum(node) -> tuple[fx.Node, tuple[str, ...]] | None:
