@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..graph import alias_source, written_args
 from ..runtime_kernels import returned
 from ..runtime_kernels.grad_reduction import deferred_reduced_output, sum_over_axes
 
@@ -149,14 +150,14 @@ def _written_in_place(node: fx.Node) -> bool:
     earlier, a reader of ``node`` would read it before those writes."""
     todo, seen = [node], set()
     while todo:
-        for user in todo.pop().users:
-            schema = getattr(user.target, "_schema", None)
-            if user in seen or schema is None:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
                 continue
             seen.add(user)
-            if schema.is_mutable:
+            if any(v is n for _, v in written_args(user)):
                 return True
-            if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are node's
+            if alias_source(user) is n:  # a view: its writes are n's
                 todo.append(user)
     return False
 
