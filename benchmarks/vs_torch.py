@@ -35,6 +35,10 @@ Mixtral's rows (E experts, W ranks): eager and autoparallel (world 1), then auto
   gradients divided by W (each sums every rank's local-mean loss). With ``--quick``, a note says
   whether one AdamW step leaves the all-gathered experts those of the single-device model.
 
+The autoparallel rows of Mixtral are planned with the batch's routing (:func:`routing_imbalance`,
+measured by the single-device model) as the cost model's ``expert_imbalance``: the busiest
+device's experts set the pace of every layer, on both sides; ``--balanced`` prices it even.
+
 Configurations: world 1, mesh (1,) (eager against autoparallel); world 2, mesh (2,); world 4,
 meshes (4,) and (2, 2) (DDP, FSDP2 and torch EP + DDP run over all 4 ranks and appear under
 both). Each world size is one ``torchrun`` job; inside it every variant is built up front,
@@ -302,14 +306,31 @@ def fsdp_module(model, dev, mesh, checkpoint=False, **options):
     return module
 
 
-def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, **options) -> Variant:
+def cost_model_of(args, device_mesh, expert_imbalance: float = 1.0):
+    """The cost model ``args`` names: ``None`` for ``default`` (autoparallelize profiles the
+    mesh), else the preset; with ``expert_imbalance`` other than 1, that routing set on it (on
+    the profiled one for ``default``)."""
+    if args.cost_model == "default" and expert_imbalance == 1.0:
+        return None
+    if args.cost_model == "default":
+        cm = autoparallel.CostModel.from_profile(
+            autoparallel.profile_mesh(device_mesh, cache_dir=False if args.no_cache else None))
+    else:
+        cm = autoparallel.CostModel(args.cost_model)
+    cm.expert_imbalance = expert_imbalance
+    return cm
+
+
+def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, expert_imbalance: float = 1.0,
+                         **options) -> Variant:
     """``autoparallelize`` on a copy of ``model`` with ``options`` and the cost model ``args``
-    names, every rank passing the global ``batch``; a failure is the row's ``na``, with the
-    error."""
+    names (:func:`cost_model_of`), every rank passing the global ``batch``; a failure is the
+    row's ``na``, with the error."""
     v = Variant(name, mesh_label, [mesh_label], batch=batch, kind="autoparallel")
     meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in batch.items()}
-    if args.cost_model != "default":
-        options["cost_model"] = autoparallel.CostModel(args.cost_model)
+    cm = cost_model_of(args, device_mesh, expert_imbalance)
+    if cm is not None:
+        options["cost_model"] = cm
     if args.no_cache:
         options["cache_dir"] = False
     t0 = time.perf_counter()
@@ -430,6 +451,29 @@ def local_experts(experts, x, counts: list[int]):
     return torch.cat(outs)
 
 
+def routing_imbalance(model, batch, devices: int) -> float:
+    """How unevenly ``model``'s routers spread ``batch`` over ``devices`` devices holding
+    ``E / devices`` consecutive experts each, as expert parallelism places them: per layer, the
+    busiest device's (token, expert) pairs over the mean, averaged over the layers (each layer
+    waits for its busiest device at its all-to-all). Computed by the single-device model."""
+    loads = []
+
+    def count(module, args, kwargs, out):
+        top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        n = module.gate_up_proj.shape[0]
+        per_device = torch.bincount(top_k_index.reshape(-1), minlength=n).view(devices, n // devices).sum(1)
+        loads.append(float(per_device.max() / per_device.float().mean()))
+
+    hooks = [m.register_forward_hook(count, with_kwargs=True) for m in experts_modules(model)]
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.mean(loads)
+
+
 def ep_forward(experts, group, x, top_k_index, top_k_weights):
     """The routed experts, expert parallel over ``group`` (W ranks, rank r holding experts
     [r E/W, (r+1) E/W) in ``experts``), as torchtitan dispatches: the (token, expert) pairs sorted
@@ -536,10 +580,17 @@ def build_moe_variants(args, model_name, model, s, batch, device_type, rank, wor
     if world == 1:
         yield Variant("eager", "(1,)", ["(1,)"], copy.deepcopy(model).to(dev), batch, kind="eager")
     device_meshes = world_meshes(device_type, world)
+    balanced = getattr(args, "balanced", False)
+    imbalance = 1.0 if balanced else routing_imbalance(copy.deepcopy(model).to(dev), batch, world)
     for m, mesh in device_meshes.items():
-        yield autoparallel_variant(args, "autoparallel", model, batch, mesh, mesh_label(m), parallelism="auto")
+        v = autoparallel_variant(args, "autoparallel", model, batch, mesh, mesh_label(m), imbalance,
+                                 parallelism="auto")
+        if imbalance != 1.0:
+            v.note = (f"planned with expert_imbalance={imbalance:.3f}: the batch's routing over {world} devices "
+                      f"(the busiest device's pairs over the mean, per layer, averaged)")
+        yield v
         if world > 1:
-            yield autoparallel_variant(args, "autoparallel EP", model, batch, mesh, mesh_label(m),
+            yield autoparallel_variant(args, "autoparallel EP", model, batch, mesh, mesh_label(m), imbalance,
                                        constraints=ep_constraints(m))
     if world == 1:
         return
@@ -1144,6 +1195,9 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=4, help="--pipeline: microbatches of both sides (default 4)")
     ap.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"],
                     help="--pipeline: the schedule of both sides (default 1F1B)")
+    ap.add_argument("--balanced", action="store_true",
+                    help="mixtral: plan with routing priced balanced (default: the batch's routing imbalance, "
+                         "measured by the single-device model, as the cost model's expert_imbalance)")
     args = ap.parse_args(argv)
     if args.models is None:
         args.models = "gpt2" if args.pipeline else "gpt2,llama"
@@ -1164,6 +1218,8 @@ def worker_argv(args) -> list[str]:
         out += ["--threads", str(args.threads)]
     if args.no_cache:
         out.append("--no-cache")
+    if getattr(args, "balanced", False):
+        out.append("--balanced")
     return out
 
 

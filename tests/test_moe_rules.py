@@ -149,9 +149,11 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
 def test_expert_parallel_pricing_and_imbalance():
     """Only the exchange role communicates: four all-to-alls of the pairs' rows and one of the
     counts per expert, the rows scaled by ``CostModel.expert_imbalance`` (part of the cost model's key); the mask
-    role leaves a Partial output and the data role replicates the experts."""
+    role leaves a Partial output and the data role replicates the experts. The imbalance also
+    scales the compute of the roles that split the experts (the busiest device's pairs)."""
     from autoparallel.mesh import MeshSpec
     from autoparallel.solver.costs import CostModel
+    from autoparallel.solver.pricing import Pricing
     from autoparallel.strategies.moe import routed_experts_cost
 
     fn, specs = SAMPLES["routed_experts"]
@@ -171,6 +173,11 @@ def test_expert_parallel_pricing_and_imbalance():
     skewed.expert_imbalance = 2.0
     assert routed_experts_cost(node, by_role[(True, True)], skewed.bind(MeshSpec((4,)))) > costs[(True, True)]
     assert skewed.key() != CostModel("a100").key()
+    # the busiest device's compute: imbalanced where an axis splits the experts (exchange, mask)
+    compute = {name: {role: Pricing(node.graph.owning_module, [node], {}, MeshSpec((4,)), model).node_cost(node, s)[0]
+                      for role, s in by_role.items()} for name, model in (("even", CostModel("a100")), ("skewed", skewed))}
+    for role in by_role:
+        assert (compute["skewed"][role] > compute["even"][role]) == role[1], role
 
 
 def test_fsdp_ep_recipe_splits_the_experts_by_expert_over_the_last_axis():

@@ -1,7 +1,8 @@
 """Tier 3 for every model family: 4 real gloo processes on a 2 x 2 mesh run each model of
 the zoo (the MLP, the CNN, GPT-2, LLaMA, BERT, T5, every entry of ``FAMILIES``, timm's ViT
 and ResNet-18 in training mode, and the mixture-of-experts models of ``MOE``, also with expert
-parallelism forced: ``<name>-ep``, the constraints ``EXPERT_PARALLEL``) through
+parallelism forced: ``<name>-ep``, the constraints ``EXPERT_PARALLEL``, and ``<name>-ep4`` the
+same on the 1-D mesh of the 4 ranks, where one all-to-all spans all of them) through
 ``autoparallelize`` and check parity with a single-device copy through real c10d.
 
 For each family every rank builds the model with the same seed, plans and emits it with the
@@ -40,10 +41,11 @@ from test_parity import build, loss_of
 pytest.importorskip("transformers")
 
 EP = "-ep"  # a MOE model's name with this suffix: expert parallelism forced
+EP_1D = "-ep4"  # ... forced on the mesh (4,)
 # every model of tests/models.py: the plain ones, the four of test_parity, FAMILIES, timm's, then MOE's,
 # with the planner's choice and with expert parallelism forced
 NAMES = (["mlp", "cnn", "gpt2", "llama", "bert", "t5"] + sorted(FAMILIES) + sorted(TIMM) + sorted(MOE)
-         + [f"{n}{EP}" for n in sorted(MOE)])
+         + [f"{n}{EP}" for n in sorted(MOE)] + [f"{n}{EP_1D}" for n in sorted(MOE)])
 LR = 0.1
 TIME_LIMIT = 5.0  # seconds for the ILP solver per family (these plans solve at the LP relaxation)
 PG_TIMEOUT = 90  # seconds: a rank stuck in a collective fails instead of hanging the run
@@ -109,12 +111,15 @@ def _loss_diff(when: str, got, want) -> list[str]:
     return [f"{when}: loss {got} != single-device {want.item():.8f}"]
 
 
-def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
-    """Plan, emit, one step and the check after it; returns what differed (empty if nothing)."""
-    constraints = None
-    if name.endswith(EP):
-        name = name[:-len(EP)]
-        held, out = EXPERT_PARALLEL[MESH_SHAPE]
+def _run_family(name: str, rank: int, meshes: dict, info: dict) -> list[str]:
+    """Plan, emit, one step and the check after it; returns what differed (empty if nothing).
+    ``meshes``: mesh shape → DeviceMesh, the 2 x 2 one and the 1-D one of the ``-ep4`` names."""
+    constraints, mesh = None, meshes[MESH_SHAPE]
+    for suffix, shape in ((EP, MESH_SHAPE), (EP_1D, (WORLD,))):
+        if not name.endswith(suffix):
+            continue
+        name, mesh = name[:-len(suffix)], meshes[shape]
+        held, out = EXPERT_PARALLEL[shape]
         constraints = {"*.experts.gate_up_proj": held, "*.experts.down_proj": held, "*.mlp.experts": out}
     model = build(name)  # torch.manual_seed(0) inside: the same weights on every rank
     ref = copy.deepcopy(model)
@@ -162,12 +167,13 @@ def _run_family(name: str, rank: int, mesh, info: dict) -> list[str]:
 def _worker(rank: int, names: list[str], out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    meshes = {MESH_SHAPE: init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp")),
+              (WORLD,): init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))}
     results = {}
     for name in names:
         info: dict = {}
         try:
-            problems = _run_family(name, rank, mesh, info)
+            problems = _run_family(name, rank, meshes, info)
         except Exception as e:
             problems = [f"{type(e).__name__}: {e}".strip()[:2000] + "\n" + traceback.format_exc()[-1500:]]
         # one gather per family: every rank's findings, and the ranks kept in step

@@ -45,8 +45,11 @@ def expert_hops(specs, mesh_shape) -> list[tuple[str, int]]:
 def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
     """``x`` ``(S, K)`` with rows sorted by expert, ``counts[e]`` rows for expert ``e``, times
     ``weight[e]`` ``(N, K)`` transposed: ``(S, N)``. Every expert's product runs, empty ones
-    too, so that every expert's weight gets a gradient (zeros when no row reached it)."""
-    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(torch.split(x, counts))])
+    too, so that every expert's weight gets a gradient (zeros when no row reached it). The
+    experts' weights are taken with ``unbind``, whose backward stacks their gradients into one
+    new tensor; indexing ``weight[e]`` would give each expert's gradient a zero-filled tensor
+    of the whole weight's size, then sum them."""
+    return torch.cat([piece @ w.t() for w, piece in zip(weight.unbind(0), torch.split(x, counts))])
 
 
 def _exchange(x: torch.Tensor, local: torch.Tensor, span: int, n: int, group: str):

@@ -127,18 +127,21 @@ class Pricing:
         if node.op == "placeholder":
             return 0.0, 0.0, 0
         free_view, grad_calls, accumulations = self._op_traits(node)
+        record = record_of(node.target)
         if free_view:
             flops, traffic = 0.0, 0
         else:
             flops = info.flops / s.split
             traffic = out_bytes + sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
                                       for (_, x), sp in zip(tensor_inputs(node), s.inputs))
+            if record is not None and record.load is not None:  # the busiest device's share
+                load = record.load(node, s, self.cm)
+                flops, traffic = flops * load, traffic * load
         dtype = info.dtype if info.outputs else None
         grads = info.requires_grad and backward
         compute = self.cm.compute_time(node.target, flops, traffic, dtype, grads, grad_calls)
         if grads and len(info.outputs) == 1:
             compute += accumulations * self.cm.compute_time(aten.add.Tensor, 0, 3 * out_bytes, dtype, False)
-        record = record_of(node.target)
         comm = record.cost(node, s, self.cm) if record is not None and record.cost is not None else 0.0
         return compute, comm, out_bytes
 

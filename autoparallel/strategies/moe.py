@@ -211,6 +211,14 @@ def routed_experts_cost(node, strategy, cost_model) -> float:
     return cost
 
 
+def routed_experts_load(node, strategy, cost_model) -> float:
+    """The busiest device's share of the routed pairs over an even one: ``cost_model.
+    expert_imbalance`` where a mesh axis splits the experts (each device computes the pairs
+    routed to its own experts, as many as the router sends there), else 1 (every device
+    computes every pair of its own tokens)."""
+    return cost_model.expert_imbalance if expert_hops(strategy.inputs, cost_model.mesh.shape) else 1.0
+
+
 def routed_experts_saved(node):
     """What :func:`~autoparallel.runtime_kernels.experts.routed_experts` keeps for the backward,
     per (token, expert) pair ``S = T·k``: the gathered tokens ``(S, H)``, the gate and up
@@ -224,4 +232,4 @@ def routed_experts_saved(node):
 
 
 record(ROUTED_EXPERTS, local=local_routed_experts, cost=routed_experts_cost,
-       saved=routed_experts_saved)(routed_experts_rule)
+       saved=routed_experts_saved, load=routed_experts_load)(routed_experts_rule)

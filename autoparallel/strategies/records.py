@@ -19,6 +19,11 @@ Everything the pipeline knows about an op beyond the generic machinery lives in 
   form keeps for its backward beyond its inputs, as ``(global shape, dtype)``, each divided
   among the devices as the op's work is (``Strategy.split``); the memory model reads it
   instead of running the captured op. Its inputs count as saved.
+- ``load(node, strategy, cost_model)``: the busiest device's share of the op's work over an
+  even share (``Strategy.split``) under ``strategy``, for an op whose work per device depends
+  on the data (routed experts: the pairs routed to a device's experts); the solver prices the
+  busiest device's compute, since every device waits for it at the op's next collective.
+  Without it, 1 (the work divides evenly).
 
 The solver asks :func:`record_of` for ``cost``, the passes for ``local``; neither names an
 op. Ops with ``torch.Tag.pointwise`` that have no record of their own and that DTensor's
@@ -135,14 +140,16 @@ class OpRecord:
     local: Callable[[LocalCall], fx.Node] | None = None
     cost: Callable[[fx.Node, Any, Any], float] | None = None
     saved: Callable[[fx.Node], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
+    load: Callable[[fx.Node, Any, Any], float] | None = None
 
 
 RECORDS: dict[object, OpRecord] = {}
 """ATen overload, or the name of a library's op (:func:`record`), → its record."""
 
 
-def record(*ops, local: Callable | None = None, cost: Callable | None = None, saved: Callable | None = None):
-    """Decorator: register the decorated rule, with ``local``, ``cost`` and ``saved``, for every op in
+def record(*ops, local: Callable | None = None, cost: Callable | None = None, saved: Callable | None = None,
+           load: Callable | None = None):
+    """Decorator: register the decorated rule, with ``local``, ``cost``, ``saved`` and ``load``, for every op in
     ``ops``: ATen overloads, or the name (``str`` of the overload, as the coverage report
     prints it: ``"transformers.grouped_mm_fallback.default"``) of an op that a library
     defines with ``torch.library`` when it is imported, so that the overload does not exist
@@ -150,7 +157,7 @@ def record(*ops, local: Callable | None = None, cost: Callable | None = None, sa
 
     def deco(fn):
         for op in ops:
-            RECORDS[op] = OpRecord(fn, local, cost, saved)
+            RECORDS[op] = OpRecord(fn, local, cost, saved, load)
         return fn
     return deco
 
