@@ -337,17 +337,21 @@ def _rng_kept(device: torch.device):
 
 
 def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
-               together: Callable[[], None] = lambda: None) -> DevicePreset:
-    """:func:`calibrate_device`'s measurements; ``together()`` runs before each of its phases
-    (every rank calls it as often): ranks calibrating at once pass a barrier, so that each
-    phase runs on all of them at the same time, as a training step does. Where ranks share
-    cores, what one measures depends on what the others run meanwhile: without it, one 4-rank
-    calibration on 2 cores priced steps 1.3x too slow and the next 0.66x."""
+               agree: Callable[[float], float] = lambda x: x) -> DevicePreset:
+    """:func:`calibrate_device`'s measurements. ``agree(x)`` returns the largest ``x`` of the
+    ranks calibrating at once, and so passes them together (every rank calls it as often):
+    before each phase and each matmul size, so that each measurement runs on all of them at the
+    same time, as a training step does, and the ranks leave the matmul sizes together. Where
+    ranks share cores, what one measures depends on what the others run meanwhile: without
+    a barrier per phase, one 4-rank calibration on 2 cores priced steps 1.3x too slow and the
+    next 0.66x; with one per phase only, a rank that left the sizes early left the cores to the
+    others' largest sizes, and the 4 ranks' fp32 rate came out 5.4e10 in one calibration and
+    3.4e10 in the next on the same machine."""
     share = time_budget / (len(_MATMUL_DTYPES) + 1)
     peaks = []
     for dtype in _MATMUL_DTYPES:
-        together()
-        peaks.append(_matmul_rate(device, dtype, share))
+        agree(0.0)
+        peaks.append(_matmul_rate(device, dtype, share, agree))
     (fp32, n32), (half, n16) = peaks
     n_attention = n32 if device.type == "cpu" else n16  # the dtype SDPA is timed in
     if device.type == "cpu":
@@ -355,17 +359,17 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
     else:
         memory = torch.get_device_module(device.type).get_device_properties(device).total_memory
     measured = []
-    for phase in (lambda: _memory_rate(device, share, ranks_on_host), lambda: _op_overhead(device),
-                  lambda: _dtensor_op_overhead(device), lambda: _attention_efficiency(device, n_attention)):
-        together()
+    for phase in (lambda: _memory_rate(device, share, ranks_on_host, agree), lambda: _op_overhead(device, agree),
+                  lambda: _dtensor_op_overhead(device, agree), lambda: _attention_efficiency(device, n_attention, agree)):
+        agree(0.0)
         measured.append(phase())
     bw, overhead, dtensor, attention = measured
     link, host_bw = _host_rates(device, bw, share)
     rates = DevicePreset(f"measured {_device_name(device.type)}", fp32, half, bw, float(memory), overhead, dtensor,
                          attention, host_link_bw=link, host_mem_bw=host_bw,
                          core_share=_core_share(device, ranks_on_host))
-    together()
-    return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates))
+    agree(0.0)
+    return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates, agree))
 
 
 def _core_share(device: torch.device, ranks_on_host: int) -> float:
@@ -389,29 +393,38 @@ def _host_rates(device: torch.device, device_bw: float, seconds: float) -> tuple
     return link, _memory_rate(torch.device("cpu"), seconds, 1)
 
 
-def _median_time(fn, device: torch.device, repeats: int = 3) -> float:
-    """Median seconds of one call of ``fn`` over ``repeats`` samples, each calling it in
-    doubling batches until at least ``_WINDOW_S`` have passed (one synchronization per batch)."""
+def _median_time(fn, device: torch.device, repeats: int = 3, agree: Callable[[float], float] = lambda x: x) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` samples of the same number of
+    calls: as many as a first, untimed run needed to pass ``_WINDOW_S``, calling ``fn`` in
+    doubling batches (one synchronization per batch), and where ``agree`` spans several ranks
+    (:func:`_calibrate`), the most any of them needed, every sample started together. Ranks
+    that share cores then run for the whole of every sample; with a window each, one that had
+    passed its window left the cores to the others' last batch, which ran faster."""
     fn()  # warm-up
+    calls, batch = 0, 1
+    agree(0.0)
+    _sync(device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < _WINDOW_S:
+        for _ in range(batch):
+            fn()
+        calls += batch
+        _sync(device)
+        batch *= 2
+    calls = int(agree(float(calls)))
     samples = []
     for _ in range(repeats):
-        calls, batch = 0, 1
+        agree(0.0)
         _sync(device)
         t0 = time.perf_counter()
-        while True:
-            for _ in range(batch):
-                fn()
-            calls += batch
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if elapsed >= _WINDOW_S:
-                break
-            batch *= 2
-        samples.append(elapsed / calls)
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls)
     return max(statistics.median(samples), 1e-9)
 
 
-def _op_overhead(device: torch.device) -> float:
+def _op_overhead(device: torch.device, agree: Callable[[float], float] = lambda x: x) -> float:
     """Seconds per op call: a chain of ``_CHAIN`` multiplications of a one-element tensor,
     its forward and its backward (``2 · _CHAIN`` calls), timed by :func:`_median_time`."""
     x = torch.ones(1, device=device, requires_grad=True)
@@ -422,10 +435,10 @@ def _op_overhead(device: torch.device) -> float:
             y = torch.mul(y, 1.0)
         y.backward()
 
-    return _median_time(chain, device) / (2 * _CHAIN)
+    return _median_time(chain, device, agree=agree) / (2 * _CHAIN)
 
 
-def _dtensor_op_overhead(device: torch.device) -> float:
+def _dtensor_op_overhead(device: torch.device, agree: Callable[[float], float] = lambda x: x) -> float:
     """Seconds per op on DTensors: the eight ops of AdamW's per-tensor update (torch's
     ``_single_tensor_adam``: a multiplication by a Python number for the weight decay,
     ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_``, ``addcdiv_``) on
@@ -450,7 +463,7 @@ def _dtensor_op_overhead(device: torch.device) -> float:
         denom = (v.sqrt() / 1.0).add_(1e-8)
         p.addcdiv_(m, denom, value=-1e-3)
 
-    return _median_time(update, device) / 8
+    return _median_time(update, device, agree=agree) / 8
 
 
 class _ReferenceBlocks(torch.nn.Module):
@@ -469,7 +482,8 @@ class _ReferenceBlocks(torch.nn.Module):
         return x.square().mean()
 
 
-def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
+def _step_efficiency(device: torch.device, rates: DevicePreset,
+                     agree: Callable[[float], float] = lambda x: x) -> float:
     """The forward and backward of :class:`_ReferenceBlocks` on a ``[2, 128, 512]`` input as
     planned for one device with ``rates`` (the estimate's compute less the optimizer step), over
     its measured time (:func:`_median_time`): the share of the roofline's rates a training step
@@ -480,10 +494,10 @@ def _step_efficiency(device: torch.device, rates: DevicePreset) -> float:
     options = PlanOptions(cost_model=CostModel(rates), cache_dir=False, device=device.type)
     estimate = plan_traced(capture(model, meta, device=device.type), MeshSpec((1,)), options).estimate
     predicted = estimate.compute_s - estimate.optimizer_s
-    return predicted / _median_time(lambda: model(x).backward(), device)
+    return predicted / _median_time(lambda: model(x).backward(), device, agree=agree)
 
 
-def _attention_efficiency(device: torch.device, n: int) -> float:
+def _attention_efficiency(device: torch.device, n: int, agree: Callable[[float], float] = lambda x: x) -> float:
     """FLOP/s of ``scaled_dot_product_attention``'s forward and backward on q, k, v of
     ``[4, 8, 256, 64]`` over the FLOP/s of an ``n × n`` matmul, ``n`` the size at which
     :func:`_matmul_rate` found the peak (fp32 on a CPU, bf16 elsewhere: the dtype its kernels
@@ -501,38 +515,41 @@ def _attention_efficiency(device: torch.device, n: int) -> float:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     flops = 3.5 * sdpa_flop_count(q.shape, k.shape, v.shape)
-    ratios = [flops / _median_time(step, device, repeats=1)
-              / (2 * n**3 / _median_time(lambda: torch.mm(a, b, out=out), device, repeats=1)) for _ in range(3)]
+    ratios = [flops / _median_time(step, device, 1, agree)
+              / (2 * n**3 / _median_time(lambda: torch.mm(a, b, out=out), device, 1, agree)) for _ in range(3)]
     return statistics.median(ratios)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float) -> tuple[float, int]:
+def _matmul_rate(device: torch.device, dtype: torch.dtype, budget: float,
+                 agree: Callable[[float], float] = lambda x: x) -> tuple[float, int]:
     """``(FLOP/s, n)``: the best rate of ``n × n`` matmuls in ``dtype``, ``n`` doubling from
-    256 while ``budget`` seconds allow, and the ``n`` that reached it."""
+    256 while ``budget`` seconds allow (on the slowest of the ranks ``agree`` spans, which
+    start each size and stop together: :func:`_calibrate`), and the ``n`` that reached it."""
     (best, best_n), spent, n = (0.0, 256), 0.0, 256
     while n <= _MAX_MATMUL_N:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         t0 = time.perf_counter()
-        t = _median_time(lambda: torch.mm(a, b, out=out), device)
+        t = _median_time(lambda: torch.mm(a, b, out=out), device, agree=agree)
         if 2 * n**3 / t > best:
             best, best_n = 2 * n**3 / t, n
         spent += time.perf_counter() - t0
-        if spent + 4 * max(8 * t, _WINDOW_S) > budget:  # the next size does 8x the work
+        if agree(float(spent + 4 * max(8 * t, _WINDOW_S) > budget)):  # the next size does 8x the work
             break
         n *= 2
     return best, best_n
 
 
-def _memory_rate(device: torch.device, budget: float, ranks_on_host: int) -> float:
+def _memory_rate(device: torch.device, budget: float, ranks_on_host: int,
+                 agree: Callable[[float], float] = lambda x: x) -> float:
     nbytes = 64 * 2**20 if device.type == "cpu" else 512 * 2**20
     nbytes = max(2**20, min(nbytes, _free_bytes(device, ranks_on_host) // 8))
     a = torch.ones(nbytes // 4, device=device)
     b, c = torch.ones_like(a), torch.empty_like(a)
     repeats = 3 if budget > 0.5 else 1
-    copy = 2 * nbytes / _median_time(lambda: c.copy_(a), device, repeats)
-    add = 3 * nbytes / _median_time(lambda: torch.add(a, b, out=c), device, repeats)
+    copy = 2 * nbytes / _median_time(lambda: c.copy_(a), device, repeats, agree)
+    add = 3 * nbytes / _median_time(lambda: torch.add(a, b, out=c), device, repeats, agree)
     return max(copy, add)
 
 
@@ -549,8 +566,9 @@ def _calibrated(device: torch.device, folder, identity: dict, budget: float) -> 
     text = _from_rank0(lambda: _cached_text(path, _device_from_json, "device profile"))
     if text is not None:
         return _device_from_json(text)
-    with _rng_kept(device):  # as calibrate_device, each phase passing a barrier of the ranks
-        mine = _calibrate(device, budget, kind["ranks_on_host"], together=dist.barrier)
+    with _rng_kept(device):  # as calibrate_device, the ranks passing each phase and matmul size together
+        mine = _calibrate(device, budget, kind["ranks_on_host"],
+                          agree=lambda x: _agree([x], dist.ReduceOp.MAX, device)[0])
     memory = _agree([mine.memory], dist.ReduceOp.MIN, device)[0]
     rates = dataclasses.replace(_slowest_rank(mine, device), memory=memory)
     plausible = _PLAUSIBLE_EFFICIENCY[0] <= rates.step_efficiency <= _PLAUSIBLE_EFFICIENCY[1]

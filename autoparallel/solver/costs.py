@@ -268,10 +268,11 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 7  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+PROFILE_FORMAT = 8  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
 #                    5: DevicePreset.attention_efficiency and step_efficiency;
 #                    6: calibration phases run on every rank at once, the slowest rank's rates together;
-#                    7: DevicePreset.core_share, attention timed beside the peak-size matmul
+#                    7: DevicePreset.core_share, attention timed beside the peak-size matmul;
+#                    8: every calibration sample the same calls on every rank, started together
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
