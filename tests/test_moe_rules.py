@@ -196,3 +196,21 @@ def test_fsdp_ep_recipe_splits_the_experts_by_expert_over_the_last_axis():
     assert rest(ep) == rest(fsdp)
     plan = autoparallel.plan(hf_model("mixtral"), to_meta(batch_for("mixtral", 0)), mesh_shape=(2, 2), constraints=ep)
     assert "experts, 2 per device; expert parallel over dim1" in str(plan)
+
+
+def test_imbalance_sizes_the_busiest_devices_saved_pairs():
+    """Under forced expert parallelism, ``expert_imbalance`` 2 makes the busiest device hold
+    twice the routed pairs' saved tensors: more activation bytes at the peak, the rest alike."""
+    from autoparallel.solver.costs import CostModel
+
+    held, out = EXPERT_PARALLEL[(4,)]
+    constraints = {"*.experts.gate_up_proj": held, "*.experts.down_proj": held, "*.mlp.experts": out}
+    peaks = {}
+    for imbalance in (1.0, 2.0):
+        cm = CostModel("cpu")
+        cm.expert_imbalance = imbalance
+        plan = autoparallel.plan(hf_model("mixtral"), to_meta(batch_for("mixtral", 0)), mesh_shape=(4,),
+                                 constraints=constraints, cost_model=cm, cache_dir=False)
+        peaks[imbalance] = plan.estimate.memory.breakdown
+    assert peaks[2.0].activations > peaks[1.0].activations
+    assert peaks[2.0].parameters == peaks[1.0].parameters

@@ -661,8 +661,9 @@ class CostModel:
 
     expert_imbalance: float = 1.0
     """The busiest device's share of a mixture-of-experts layer's routed (token, expert) pairs
-    over an even share, where a mesh axis splits the experts: its experts' compute and its
-    all-to-alls are priced at that many times the even share
+    over an even share, where a mesh axis splits the experts: its experts' compute, its
+    all-to-alls and what its experts save for the backward are counted at that many times the
+    even share
     (:func:`autoparallel.strategies.moe.routed_experts_load` and
     :func:`~autoparallel.strategies.moe.routed_experts_cost`), since every device waits for it
     at the layer's next all-to-all. ``1.0``

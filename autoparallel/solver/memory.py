@@ -435,6 +435,9 @@ class MemoryModel:
         traced_on: the device type the graph was captured on.
         outputs / whole_outputs: how the module returns the graph's outputs, as
             :class:`~autoparallel.solver.planner.Planner` takes them.
+        cost_model: the planner's :class:`~autoparallel.solver.costs.CostModel`: an op's
+            ``OpRecord.load`` under it sizes the busiest device's saved tensors (routed experts
+            under ``expert_imbalance``); ``None``: every op's work divides evenly.
 
     Raises:
         ValueError: for an unknown optimizer.
@@ -442,10 +445,11 @@ class MemoryModel:
 
     def __init__(self, gm: fx.GraphModule, aliases, mesh_shape, *, optimizer: str = DEFAULT_OPTIMIZER,
                  device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
-                 whole_outputs: frozenset[int] = frozenset()):
+                 whole_outputs: frozenset[int] = frozenset(), cost_model=None):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
+        self.cost_model = cost_model
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
         self.nodes = nodes  # forward step i runs nodes[i]
         step = {n: i for i, n in enumerate(nodes)}
@@ -559,8 +563,10 @@ class MemoryModel:
         from (:func:`_aligned_operand`): LayerNorm's mean and rstd as its input, SDPA's
         logsumexp as the query, cross-entropy's log-softmax as the logits."""
         record = record_of(node.target)
-        if record is not None and record.saved is not None:  # divided as the op's work
-            return lambda s: int(nbytes / s.split)
+        if record is not None and record.saved is not None:  # divided as the op's work, the busiest device's
+            if record.load is None or self.cost_model is None:
+                return lambda s: int(nbytes / s.split)
+            return lambda s: int(nbytes / s.split * record.load(node, s, self.mesh_shape, self.cost_model))
         operands = [(node_info(x).outputs[0][0], "inputs", j) for j, (_, x) in enumerate(tensor_inputs(node))]
         operands += [(sh, "outputs", i) for i, (sh, _) in enumerate(node_info(node).outputs)]
         found = _aligned_operand(shape, [sh for sh, _, _ in operands])

@@ -135,7 +135,7 @@ class Pricing:
             traffic = out_bytes + sum(_local_bytes(tuple(x.meta["val"].shape), x.meta["val"].dtype, sp, ms)
                                       for (_, x), sp in zip(tensor_inputs(node), s.inputs))
             if record is not None and record.load is not None:  # the busiest device's share
-                load = record.load(node, s, self.cm)
+                load = record.load(node, s, ms, self.cm)
                 flops, traffic = flops * load, traffic * load
         dtype = info.dtype if info.outputs else None
         grads = info.requires_grad and backward

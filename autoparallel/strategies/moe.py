@@ -211,12 +211,12 @@ def routed_experts_cost(node, strategy, cost_model) -> float:
     return cost
 
 
-def routed_experts_load(node, strategy, cost_model) -> float:
+def routed_experts_load(node, strategy, mesh_shape, cost_model) -> float:
     """The busiest device's share of the routed pairs over an even one: ``cost_model.
     expert_imbalance`` where a mesh axis splits the experts (each device computes the pairs
     routed to its own experts, as many as the router sends there), else 1 (every device
     computes every pair of its own tokens)."""
-    return cost_model.expert_imbalance if expert_hops(strategy.inputs, cost_model.mesh.shape) else 1.0
+    return cost_model.expert_imbalance if expert_hops(strategy.inputs, mesh_shape) else 1.0
 
 
 def routed_experts_saved(node):

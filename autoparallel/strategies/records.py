@@ -19,11 +19,12 @@ Everything the pipeline knows about an op beyond the generic machinery lives in 
   form keeps for its backward beyond its inputs, as ``(global shape, dtype)``, each divided
   among the devices as the op's work is (``Strategy.split``); the memory model reads it
   instead of running the captured op. Its inputs count as saved.
-- ``load(node, strategy, cost_model)``: the busiest device's share of the op's work over an
-  even share (``Strategy.split``) under ``strategy``, for an op whose work per device depends
-  on the data (routed experts: the pairs routed to a device's experts); the solver prices the
-  busiest device's compute, since every device waits for it at the op's next collective.
-  Without it, 1 (the work divides evenly).
+- ``load(node, strategy, mesh_shape, cost_model)``: the busiest device's share of the op's
+  work over an even share (``Strategy.split``) under ``strategy``, for an op whose work per
+  device depends on the data (routed experts: the pairs routed to a device's experts); the
+  solver prices the busiest device's compute, since every device waits for it at the op's
+  next collective, and the memory model sizes the busiest device's ``saved`` tensors. Without
+  it, 1 (the work divides evenly).
 
 The solver asks :func:`record_of` for ``cost``, the passes for ``local``; neither names an
 op. Ops with ``torch.Tag.pointwise`` that have no record of their own and that DTensor's
@@ -140,7 +141,7 @@ class OpRecord:
     local: Callable[[LocalCall], fx.Node] | None = None
     cost: Callable[[fx.Node, Any, Any], float] | None = None
     saved: Callable[[fx.Node], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
-    load: Callable[[fx.Node, Any, Any], float] | None = None
+    load: Callable[[fx.Node, Any, tuple, Any], float] | None = None
 
 
 RECORDS: dict[object, OpRecord] = {}
