@@ -17,7 +17,7 @@ from . import precision
 from .jsonfields import _check, _fields, _is_count, _is_number
 from .mesh import MeshSpec
 from .pipeline_plan import PipelinePlan
-from .placement import R, Spec, is_replicated, spec_from_json, spec_str, spec_to_json, unit_of
+from .placement import P, R, Spec, is_replicated, shard, spec_from_json, spec_str, spec_to_json, unit_of
 from .results import Estimate, Inspection, SolverStats, from_old_layout
 
 OUTPUTS = ("sharded", "replicated")
@@ -65,6 +65,19 @@ class Move:
 
     def to_json(self) -> list:
         return [self.kind, self.axis, self.src_dim, self.dst_dim, self.nbytes] + ([self.unit] if self.unit != 1 else [])
+
+    def applied_to(self, spec: Spec) -> Spec:
+        """The spec this move turns ``spec`` into.
+
+        Raises:
+            ValueError: an unknown kind.
+        """
+        new = {"all_gather": R, "all_reduce": R, "mask": P}.get(self.kind)
+        if new is None:
+            if self.kind not in ("reduce_scatter", "all_to_all", "slice"):
+                raise ValueError(f"unknown move {self.kind}")
+            new = shard(self.dst_dim, self.unit)
+        return spec[:self.axis] + (new,) + spec[self.axis + 1:]
 
 
 @dataclass(frozen=True)

@@ -86,16 +86,6 @@ def _spec_tag(spec: Spec, axis_names) -> str:
     return "_".join(re.sub(r"\W", "", t.lower()) for t in placements_str(spec, axis_names).split())
 
 
-def _after(spec: Spec, m: Move) -> Spec:
-    """The spec after move ``m``."""
-    new = {"all_gather": R, "all_reduce": R, "mask": P}.get(m.kind)
-    if new is None:
-        if m.kind not in ("reduce_scatter", "all_to_all", "slice"):
-            raise ValueError(f"unknown move {m.kind}")
-        new = shard(m.dst_dim, m.unit)
-    return spec[:m.axis] + (new,) + spec[m.axis + 1:]
-
-
 @dataclass
 class _Pieces:
     """A collective's result whose ``n`` pieces (``rows`` rows each, along dim 0) are not yet
@@ -162,7 +152,7 @@ class _Emitter:
         move that would bring the same pieces to the front again (no join at all)."""
         for m in moves:
             x = self.move(x, shape, spec, m)
-            spec = _after(spec, m)
+            spec = m.applied_to(spec)
         return self.joined(x)
 
     def move(self, x, shape, spec: Spec, m: Move):
@@ -357,7 +347,7 @@ class _PerDeviceGraph:
         src = self.plan.nodes[x.name].output_specs[0]
         target = src
         for m in c.moves:
-            target = _after(target, m)
+            target = m.applied_to(target)
         key = (x, target)
         if key not in self.done:
             module = self.plan.nodes[dst].module_path if dst in self.plan.nodes else "output"
@@ -400,13 +390,13 @@ class _PerDeviceGraph:
         while i < len(moves):
             if moves[i].kind != "all_gather":
                 value = self.em.move(value, shape, spec, moves[i])
-                spec = _after(spec, moves[i])
+                spec = moves[i].applied_to(spec)
                 i += 1
                 continue
             steps = []
             while i < len(moves) and moves[i].kind == "all_gather":
                 steps.append(self.gather_step(shape, spec, moves[i]))
-                spec = _after(spec, moves[i])
+                spec = moves[i].applied_to(spec)
                 i += 1
             value = self.graph.call_function(param_all_gather, (self.em.joined(value), steps),
                                              {"dtype": dtype, "reduce_dtype": self.reduce_in})
@@ -435,7 +425,7 @@ class _PerDeviceGraph:
             if c.src == base.name and c.src_index == 0 and c.dst != x.name:
                 spec = self.plan.nodes[base.name].output_specs[0]
                 for m in c.moves:
-                    spec = _after(spec, m)
+                    spec = m.applied_to(spec)
                 if all(p == R for p in spec):
                     y = self.redistributed(c.dst, c.arg, base)
                     return self.em.call(aten.reshape.default, y, list(self.plan.nodes[x.name].out_shapes[0]))
@@ -494,7 +484,7 @@ class _PerDeviceGraph:
         spec = self.plan.nodes[x.name].output_specs[0]
         c = self.by_input.get(("output", j))
         for m in c.moves if c is not None else ():
-            spec = _after(spec, m)
+            spec = m.applied_to(spec)
         return spec
 
     def build(self) -> fx.Graph:

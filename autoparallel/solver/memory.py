@@ -52,6 +52,7 @@ buckets above.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -170,10 +171,13 @@ class Item:
     With ``param`` set, a parameter that ``owner`` uses as its input ``input_pos`` (an
     all-gathered weight autograd keeps, or its gradient): it exists only when the owner's
     input spec is not a local slice of the parameter's (:func:`is_copy`) or the parameter is
-    offloaded to host memory (its device copy), so its exact size depends on two strategies
-    (:meth:`bytes`); the ILP rows take the lower bound
-    ``size(owner) - bytes of the parameter`` (:meth:`linear`), exact for FSDP's gather up to
-    the shard itself, and 0 or less when the owner reads the parameter as held."""
+    offloaded to host memory (its device copy). With ``producer`` set (``(node, output
+    index)``), the gradient of that value on its way back from the layout ``owner`` takes it in
+    as input ``input_pos`` to the producer's: it exists only when the two layouts differ, sized
+    by ``passing(held, seen)``. Either way its exact size depends on two strategies
+    (:meth:`bytes`); the ILP rows take the lower bound ``size(owner) - bytes held``
+    (:meth:`linear`, ``size``: the bytes in the owner's layout), exact for FSDP's gather up to
+    the shard itself, and 0 or less when the owner reads the tensor as held."""
 
     kind: str
     owner: fx.Node
@@ -183,23 +187,36 @@ class Item:
     forward_value: bool = False  # a forward output living until its last forward use
     value: fx.Node | None = None  # for a saved activation, the node whose output it is
     param: fx.Node | None = None
+    producer: tuple[fx.Node, int] | None = None
+    passing: Callable[[Spec, Spec], int] | None = None
     input_pos: int = 0
+
+    @property
+    def held_by(self) -> fx.Node | None:
+        """The other node whose strategy the size depends on (``param`` or ``producer``'s)."""
+        return self.param if self.param is not None else self.producer[0] if self.producer else None
 
     def bytes(self, choice: dict[fx.Node, Strategy]) -> int:
         """Bytes per device under ``choice`` (node → strategy)."""
         s = choice[self.owner]
-        held = choice[self.param] if self.param is not None else None
-        if held is not None and not held.offload and not is_copy(held.outputs[0], s.inputs[self.input_pos]):
-            return 0
+        seen = s.inputs[self.input_pos] if self.held_by is not None else None
+        if self.param is not None:
+            held = choice[self.param]
+            if not held.offload and not is_copy(held.outputs[0], seen):
+                return 0
+        elif self.producer is not None:
+            held = choice[self.producer[0]].outputs[self.producer[1]]
+            return 0 if held == seen else self.passing(held, seen)
         return self.size(s)
 
-    def linear(self, param_bytes) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
+    def linear(self, held_bytes) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
         """``(node, size function)`` terms whose sum is the item's size for the ILP, each
-        linear in one node's strategy (``param_bytes``: a parameter node → its size function)."""
-        if self.param is None:
+        linear in one node's strategy (``held_bytes``: ``param`` or ``producer`` → the size
+        function of the tensor as held)."""
+        if self.held_by is None:
             return [(self.owner, self.size)]
-        held = param_bytes(self.param)
-        return [(self.owner, self.size), (self.param, lambda s: -held(s))]
+        held = held_bytes(self.param if self.param is not None else self.producer)
+        return [(self.owner, self.size), (self.held_by, lambda s: -held(s))]
 
 
 def is_copy(held: Spec, seen: Spec) -> bool:
@@ -438,6 +455,10 @@ class MemoryModel:
         cost_model: the planner's :class:`~autoparallel.solver.costs.CostModel`: an op's
             ``OpRecord.load`` under it sizes the busiest device's saved tensors (routed experts
             under ``expert_imbalance``); ``None``: every op's work divides evenly.
+        layout: the planner's redistribution paths (a
+            :class:`~autoparallel.solver.layout.Redistributor` of its bound cost model): the
+            gradient of a redistributed activation is sized at every layout its backward passes
+            through; ``None``: at the consumer's layout only.
 
     Raises:
         ValueError: for an unknown optimizer.
@@ -445,11 +466,11 @@ class MemoryModel:
 
     def __init__(self, gm: fx.GraphModule, aliases, mesh_shape, *, optimizer: str = DEFAULT_OPTIMIZER,
                  device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
-                 whole_outputs: frozenset[int] = frozenset(), cost_model=None):
+                 whole_outputs: frozenset[int] = frozenset(), cost_model=None, layout=None):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
-        self.cost_model = cost_model
+        self.cost_model, self.layout = cost_model, layout
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
         self.nodes = nodes  # forward step i runs nodes[i]
         step = {n: i for i, n in enumerate(nodes)}
@@ -514,6 +535,7 @@ class MemoryModel:
                 items.append(Item("activations", n, start, end, rewrites.saved_size(n, x, shape, size), value=u))
             else:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
+        items += self._consumer_gradient_items(aliases, step, back)
         items += self._returned_items(gm, aliases, outputs, whole_outputs)
         self.items = items
 
@@ -542,6 +564,45 @@ class MemoryModel:
         if node_info(param).requires_grad:
             items.append(Item("gathered", saver, end, end, size, param=param, input_pos=j))
         return items
+
+    def _consumer_gradient_items(self, aliases, step: dict[fx.Node, int], back: int) -> list[Item]:
+        """The gradient of an activation on its way back from the layout a consumer takes it in
+        to its producer's, at the consumer's backward step, where the two differ: each move of
+        the redistribution between them, run backward (an all-reduce's, a reduce-scatter's, a
+        slice's zero padding), writes a new tensor while its input is held, so besides the
+        gradient in the producer's layout (the value's ``temporaries`` item) the largest layout
+        on the way is live (parameters: :meth:`_gathered_items`). The way is ``layout``'s
+        cheapest path, the one the plan emits; without ``layout``, the consumer's layout."""
+        items = []
+        for n in self.nodes:
+            if n.op != "call_function" or n in aliases or not node_info(n).requires_grad:
+                continue
+            for j, (_, x) in enumerate(tensor_inputs(n)):
+                u, i = aliases.get(x, (x, 0))
+                shape, dtype = node_info(u).outputs[i]
+                if u.op == "get_attr" or not node_info(u).requires_grad or not dtype.is_floating_point:
+                    continue
+
+                def size(s, shape=shape, dtype=dtype, j=j):
+                    return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
+
+                t = back - step[n]
+                items.append(Item("temporaries", n, t, t, size, producer=(u, i), input_pos=j,
+                                  passing=self._largest_on_the_way(shape, dtype)))
+        return items
+
+    def _largest_on_the_way(self, shape, dtype: torch.dtype) -> Callable[[Spec, Spec], int]:
+        """``(held, seen) ->`` the bytes of the largest layout after the first on the cheapest
+        redistribution from ``held`` to ``seen`` (:class:`~autoparallel.solver.layout.Redistributor`),
+        the tensor being ``shape`` of ``dtype``; the bytes at ``seen`` without a ``layout``."""
+        def largest(held: Spec, seen: Spec) -> int:
+            if self.layout is None:
+                return _local_bytes(shape, dtype, seen, self.mesh_shape)
+            _, moves = self.layout.redistribute(shape, dtype.itemsize, True, held, seen, True)
+            specs = list(itertools.accumulate(moves, lambda spec, m: m.applied_to(spec), initial=held))[1:] or [seen]
+            return max(_local_bytes(shape, dtype, spec, self.mesh_shape) for spec in specs)
+
+        return largest
 
     def _returned_items(self, gm: fx.GraphModule, aliases, outputs: str, whole: frozenset[int]) -> list[Item]:
         """The returned values, from the first backward step to the end, at returned size."""
@@ -616,9 +677,14 @@ class MemoryModel:
         """The memory at step ``t`` as ``(node, size function)`` terms, each linear in one
         node's strategy choice: the items live at ``t`` (:meth:`Item.linear`; a lower bound
         of :meth:`timeline`'s value where a gathered parameter is live)."""
-        return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._param_bytes)]
+        return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._held_bytes)]
 
-    def _param_bytes(self, param: fx.Node) -> Callable[[Strategy], int]:
-        """The device bytes of ``param`` held under a strategy (0 offloaded)."""
-        shape, dtype = node_info(param).outputs[0]
-        return _on_device(lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape))
+    def _held_bytes(self, held: fx.Node | tuple[fx.Node, int]) -> Callable[[Strategy], int]:
+        """The device bytes of a parameter (0 offloaded) or of a ``(node, output index)`` value
+        as its own strategy holds it."""
+        if isinstance(held, fx.Node):
+            shape, dtype = node_info(held).outputs[0]
+            return _on_device(lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape))
+        u, i = held
+        shape, dtype = node_info(u).outputs[i]
+        return lambda s: _local_bytes(shape, dtype, s.outputs[i], self.mesh_shape)

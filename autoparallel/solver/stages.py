@@ -319,7 +319,7 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_pie
         starts = np.array([reg.start for reg in ck.regions])
         selective = [reg.selective for reg in ck.regions]
     for it in model.items:
-        if it.owner not in choice or (it.param is not None and it.param not in choice):
+        if it.owner not in choice or (it.held_by is not None and it.held_by not in choice):
             continue
         b = it.bytes(choice)
         if not b:
