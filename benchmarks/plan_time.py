@@ -29,11 +29,12 @@ Rows (targets on a 2-core machine):
 The Llama, Mixtral and DeepSeek rows plan as a user of H100s would: the h100 preset, a bf16 mixed-precision policy
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 master weights and
 optimizer states), ``device="cuda"`` (the optimizer step priced as CUDA's foreach AdamW) and the
-default memory budget (80 GiB less the 10 % reserve); each prints the
+default memory budget (80 GiB less the 10 % reserve; ``llama3-70b-fp32``: the same without the policy,
+fp32 throughout, target < 45 s); each prints the
 modelled peak and its breakdown, the fraction of parameter elements split along each mesh axis,
 and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
 
-    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-8b-3d,mixtral-8x7b,
+    python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-70b-fp32,llama3-8b-3d,mixtral-8x7b,
                                            deepseek-v3,llama3-70b-pp,llama3-405b-pp,llama3-70b-pp-auto,
                                            llama3-405b-pp-auto]
         [--solver cbc|highs] [--budget 40GiB]   # another budget for the LLM rows
@@ -111,11 +112,12 @@ def deepseek_v3():
 MOE_ROWS = ("mixtral-8x7b", "deepseek-v3")
 """Rows that also print the FSDP + EP recipe priced by the same model, and the plan's exposed
 communication (issue 29)."""
-ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 policy, default budget)
+ROWS = {  # build, batch, mesh, target seconds, LLM row (h100 preset, bf16 policy or "fp32", default budget)
     "gpt2-small": (lambda: gpt2(12, 768, 12), (8, 1024), (2, 4), 10.0, False),
     "gpt2-xl": (lambda: gpt2(48, 1600, 25), (8, 1024), (2, 4), 30.0, False),
     "llama3-8b": (llama3_8b, (64, 2048), (8, 8), 30.0, True),
     "llama3-70b": (llama3_70b, (128, 2048), (16, 8), 60.0, True),
+    "llama3-70b-fp32": (llama3_70b, (128, 2048), (16, 8), 45.0, "fp32"),  # issue 27: no mixed precision
     "llama3-8b-3d": (llama3_8b, (64, 2048), (4, 4, 4), 30.0, True),
     "mixtral-8x7b": (mixtral_8x7b, (64, 4096), (8, 8), 60.0, True),
     "deepseek-v3": (deepseek_v3, (512, 4096), (64, 8), 120.0, True),
@@ -134,7 +136,7 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
     with torch.device("meta"):
         model = build()
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
-    kw = llm_options(budget) if llm else {}
+    kw = llm_options(budget, fp32=llm == "fp32") if llm else {}
     t0, cpu0 = time.perf_counter(), _cpu_s()
     inputs = {"input_ids": ids, "labels": ids.clone()}
     common = dict(solver=solver, share_layers=share, cache_dir=False, time_limit=300, stamp_layers=stamp, **kw)
@@ -151,10 +153,11 @@ def run(name, solver, share, stamp, budget=None, baselines=False):
     return plan, total, _cpu_s() - cpu0, target, model, (b, s), mesh, recipe, inputs, common
 
 
-def llm_options(budget) -> dict:
-    """The options of an LLM row (module docstring)."""
+def llm_options(budget, fp32: bool = False) -> dict:
+    """The options of an LLM row (module docstring); ``fp32``: without the bf16 policy."""
+    policy = None if fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return {"cost_model": autoparallel.CostModel("h100"), "memory_budget": budget, "device": "cuda",
-            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+            "mp_policy": policy}
 
 
 def expert_recipe(model, inputs, mesh, common) -> tuple[str, object, str, float]:
