@@ -25,7 +25,9 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
   has a gradient of its size at the saver's backward step (cross-entropy's backward holds the
   gradients of the log-probabilities and of the logits at once);
 * activation gradients, from the backward of the value's last consumer to the backward
-  of its producer, under the value's spec;
+  of its producer, under the value's spec; and, at the backward of a consumer that reads the
+  value in another spec, the gradient in the largest spec the redistribution's backward
+  passes through (each of its moves writes a new tensor while its input is held);
 * parameters a saver takes in a layout they are not held in (kind ``gathered``: FSDP's
   all-gathered weight, kept by autograd until the saver's backward, and its gradient in that
   layout at that step; :class:`Item` with ``param``);
