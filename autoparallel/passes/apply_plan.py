@@ -43,8 +43,8 @@ import torch.utils._pytree as pytree
 
 from .. import precision, units
 from ..graph import output_leaves, tensor_inputs
-from ..placement import (P, R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard,
-                         shard_axes, uneven_dims)
+from ..placement import (R, Spec, chunk_length, dim_unit, local_shape, named_placement, piece_length, shard_axes,
+                         uneven_dims)
 from ..plan import Move, Plan
 from ..runtime_kernels import local_piece, onto_device, param_all_gather, param_local, reduce_grads_in_bucket, returned
 from ..strategies.records import LocalCall, record_of
