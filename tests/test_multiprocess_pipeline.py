@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autoparallel.pipeline_plan import SCHEDULES
 from gloo_ranks import spawn
 
 pytest.importorskip("transformers")
@@ -35,12 +36,12 @@ def _close(what, got, want):
 
 
 def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=None, stage_checkpointing=None,
-          **options):
+          layers=LAYERS, **options):
     import autoparallel
     import models
 
     torch.manual_seed(0)
-    ref = models.hf_model(name, layers=LAYERS).train()
+    ref = models.hf_model(name, layers=layers).train()
     model = copy.deepcopy(ref)
     batch = models.batch_for(name, 1)
     cost = models.ShardParams("cpu") if shard else autoparallel.CostModel()
@@ -119,12 +120,17 @@ def _pp_dp(rank, folder):
     # two stages per device, which together overflow the budget: one recomputes, another not
     _case(mesh, "llama", "Interleaved1F1B", 2, shard=False, budget_share=0.8, stage_checkpointing="mixed")
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)
+    _case(mesh, "gpt2", "Interleaved1F1B", 2, shard=True)
+    _case(mesh, "gpt2", "LoopedBFS", 4, shard=False)  # runs a stage's backwards last microbatch first
+    _case(mesh, "llama", "1F1B", 2, shard=True)
+    _case(mesh, "llama", "GPipe", 4, shard=False)
 
 
 def _pp4(rank):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
-    _case(mesh, "gpt2", "1F1B", 4, shard=False)
-    _case(mesh, "llama", "GPipe", 4, shard=False)
+    for name in ("gpt2", "llama"):
+        for schedule in SCHEDULES:  # 8 layers: two stages on each of the 4 devices under the multi-stage ones
+            _case(mesh, name, schedule, 4, shard=False, layers=8)
 
 
 def test_pipeline_parity_pp2_dp2(tmp_path):

@@ -93,3 +93,11 @@ def test_step_needs_a_loss(sim_mesh):
         autoparallel.autoparallelize(model, (torch.empty(8, 16, device="meta"),), device_mesh=mesh)
         with pytest.raises(autoparallel.AutoParallelError, match="no 0-d floating tensor"):
             model.step(torch.randn(8, 16))
+
+
+def test_a_multi_stage_schedule_needs_two_layers_per_device():
+    torch.manual_seed(0)
+    model = hf_model("gpt2", layers=6)
+    with pytest.raises(autoparallel.AutoParallelError, match=r"8 pipeline stages \(2 per device under LoopedBFS\)"):
+        autoparallel.plan(model, to_meta(batch_for("gpt2", 0)), mesh_spec=MeshSpec((4,), ("pp",)),
+                          schedule="LoopedBFS", microbatches=4, cache_dir=False)

@@ -18,9 +18,11 @@ are summed, and their values are made equal when the module is built, so that th
 keeps them equal.
 
 Gradients of parameters replicated within a stage are reduced once per step: the
-microbatches' backwards accumulate them unreduced but the last (:func:`gradient_sync`), as
-DDP's ``no_sync`` does for gradient accumulation; the schedule divides them by the number of
-microbatches, the loss being each microbatch's mean.
+microbatches' backwards accumulate them unreduced but the one the schedule marks as the
+stage's last (:func:`gradient_sync`), as DDP's ``no_sync`` does for gradient accumulation;
+the last in the order the backwards run, which is not the forwards' order in every schedule
+(``ScheduleLoopedBFS`` runs a stage's backwards in reverse). The schedule divides the
+gradients by the number of microbatches, the loss being each microbatch's mean.
 """
 
 from __future__ import annotations
@@ -107,18 +109,16 @@ class StageModule(nn.Module):
     runtime expects of every floating activation it sends; the last stage returns the loss as
     a one-element tensor."""
 
-    def __init__(self, graph_module, coord: torch.Tensor, microbatches: int, constants: list | None):
+    def __init__(self, graph_module, coord: torch.Tensor, constants: list | None):
         super().__init__()
         self.graph_module = graph_module
-        self.coord, self.microbatches, self.constants = coord, microbatches, constants
-        self.calls = 0
+        self.coord, self.constants = coord, constants
 
     def forward(self, *args):
         if self.constants is not None:  # stage 0: the flat user inputs, tensors given, the rest as captured
             it = iter(args)
             args = [next(it) if c is _TENSOR else c for c in self.constants]
-        self.calls += 1
-        with gradient_sync(self.calls % self.microbatches == 0):
+        with gradient_sync(None):  # reduced or not: decided in the backward, by _Stage
             out = self.graph_module(self.coord, *args)
         if isinstance(out, tuple):
             return tuple(_sendable(o) for o in out)
@@ -126,6 +126,15 @@ class StageModule(nn.Module):
 
 
 _TENSOR = object()
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage`` whose backward reduces the gradients of parameters replicated
+    within the stage only when the schedule marks it as the stage's last (``last_backward``)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        with gradient_sync(last_backward):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:
@@ -157,10 +166,9 @@ class PipelineRuntime:
             if device_mesh.device_type != "cpu" else torch.device("cpu")
         constants = [_TENSOR if shape is not None else value for shape, value in input_meta]
         mine = pipeline.stages_of_rank(pp_rank)
-        self.modules = [StageModule(graphs[s], coord, pipeline.microbatches, constants if s == 0 else None)
-                        for s in mine]
+        self.modules = [StageModule(graphs[s], coord, constants if s == 0 else None) for s in mine]
         io = stage_io(graphs, coord, input_meta, loss_dtype, fake)
-        stages = [PipelineStage(m, s, pipeline.stages, device, input_args=io[s][0], output_args=io[s][1],
+        stages = [_Stage(m, s, pipeline.stages, device, input_args=io[s][0], output_args=io[s][1],
                                 group=self.group) for m, s in zip(self.modules, mine)]
         cls = get_schedule_class(pipeline.schedule)
         self.schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatches,
@@ -182,8 +190,6 @@ class PipelineRuntime:
             raise InputMismatchError(f"a pipelined module runs the inputs it was planned for: (shape, dtype) "
                                      f"{expected}, keywords {list(order)}; got {got}")
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        for mod in self.modules:
-            mod.calls = 0
         losses: list[torch.Tensor] = []
         target = torch.arange(m)
         if 0 in self.pipeline.stages_of_rank(self.pp_rank):

@@ -63,15 +63,17 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
         p.grad._local_tensor.add_(local_grad)
 
 
-_SYNC = [True]  # whether the forward now running reduces its gradients (False inside no_sync)
+_SYNC: list[bool | None] = [True]  # whether the forward (or backward) now running reduces its gradients
 _UNSYNCED = WeakIdKeyDictionary()  # parameter -> True while its .grad holds an unreduced partial sum
 
 
 @contextlib.contextmanager
-def gradient_sync(enabled: bool):
+def gradient_sync(enabled: bool | None):
     """Within: the buckets of the forward that runs reduce their gradients (``enabled``) or
     accumulate them unreduced into ``.grad`` (DDP's ``no_sync``); a later reducing backward
-    adds the accumulated partial sums into its all-reduce."""
+    adds the accumulated partial sums into its all-reduce. ``None``: the backward decides,
+    by the ``gradient_sync`` it runs within (reducing outside any): a pipeline schedule knows
+    which backward of a stage is its last, not which forward's backward runs last."""
     _SYNC.append(enabled)
     try:
         yield
@@ -99,7 +101,7 @@ class _BucketReduction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         params = ctx.params
-        if not ctx.sync:  # no_sync: this device's partial sums, reduced by a later backward
+        if not (ctx.sync if ctx.sync is not None else _SYNC[-1] is not False):  # no_sync: this device's partial sums, reduced by a later backward
             for p, g in zip(params, grads):
                 _add_grad(p, g)
                 _UNSYNCED[p] = True

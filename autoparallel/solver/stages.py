@@ -737,9 +737,13 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
         axes = [a for a, n in enumerate(mesh.shape) if n >= 2 and n <= num_layers]
     else:
         raise AutoParallelError("pipeline stages need a mesh axis named 'pp' or pipeline='auto'")
-    if pinned is not None and mesh.shape[pinned] > num_layers:
-        raise AutoParallelError(f"{mesh.shape[pinned]} pipeline stages need as many layers, but {layers} has "
-                                f"{num_layers}")
+    if pinned is not None:
+        v = 2 if options.schedule in MULTI_STAGE else 1
+        if v * mesh.shape[pinned] > num_layers:
+            how = f" ({v} per device under {options.schedule})" if v > 1 else ""
+            raise AutoParallelError(f"{v * mesh.shape[pinned]} pipeline stages{how} need as many layers, but "
+                                    f"{layers} has {num_layers}: choose a schedule of one stage per device "
+                                    "(1F1B, GPipe) or a shorter pipeline axis")
     if options.microbatches is not None and batch % options.microbatches:
         raise AutoParallelError(f"the batch of {batch} does not split into {options.microbatches} microbatches")
     inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None)
