@@ -12,12 +12,13 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.utils._pytree as pytree
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
 from .codegen import ParallelModule
-from .codegen.emit import Recapture, check_rank_order, emit, emit_pipeline
+from .codegen.emit import Recapture, Restage, check_rank_order, emit, emit_pipeline, meta_skeleton
 from .errors import AutoParallelError, MeshMismatchError
 from .mesh import MeshSpec, mesh_shape_tuple
 from .options import PlanOptions
@@ -340,10 +341,20 @@ def _parallelize_stages(model, meta_inputs, device_mesh, opts: PlanOptions, plan
             batch), or as :func:`autoparallelize`.
     """
     _refuse_local_inputs(opts)
+    layers = _layer_list(model).path
+
+    def capture_stage(module):
+        return _stage_capture(module, meta_inputs, opts, layers, plan.pipeline.microbatches)
+
     with maybe_disable_local_tensor_mode():
-        traced, untied = _stage_capture(model, meta_inputs, opts, _layer_list(model).path, plan.pipeline.microbatches)
+        traced, untied = capture_stage(model)
         validate_plan(plan, traced, mesh_shape=plan.mesh.shape)
-    return emit_pipeline(model, traced, plan, device_mesh, untied, cap)
+        try:  # before the module drops other stages' parameters: another mode is captured from it
+            skeleton = meta_skeleton(model, FakeTensorMode(allow_non_fake_inputs=True))
+        except AutoParallelError as e:
+            skeleton = e
+    restage = Restage(skeleton, capture_stage, plan, device_mesh, opts)
+    return emit_pipeline(model, traced, plan, device_mesh, untied, restage, cap)
 
 
 def _refuse_local_inputs(opts: PlanOptions) -> None:

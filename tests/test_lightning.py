@@ -4,7 +4,8 @@ SGD with momentum), validates, saves a checkpoint of either kind and resumes fro
 one onto another plan) with the losses the single-device run continues with, and accumulates
 gradients over micro-batches; Lightning's own multiprocessing launcher runs it too and hands the
 trained weights back to the main process; pipeline stages (a "pp" axis) train through
-``self.model.step(...)`` as on one device, clipped by the norm over both stages.
+``self.model.step(...)`` as on one device, clipped by the norm over both stages, and validate
+through it (the forward only, in eval mode).
 ``import autoparallel`` does not import lightning."""
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ class Stepped(Regression):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        loss = self.model.step(*batch)  # without gradients (Lightning's inference mode): the forward only
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.model.parameters(), lr=STEPPED_LR, momentum=MOMENTUM)
 
@@ -248,12 +254,19 @@ def _pipeline_checks(rank):
     def strategy():
         return AutoParallelStrategy(meta, mesh_dim_names=("pp",), microbatches=2, schedule="1F1B", cache_dir=False)
 
+    vx, vy = _data(2, 2 * batch)
+    with torch.no_grad():
+        want_val = [ref.eval()(vx[i:i + batch], vy[i:i + batch]).item() for i in range(0, 2 * batch, batch)]
+
     lm = Stepped(_deep_mlp())
+    lm.val_losses = []
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
-    _trainer(strategy(), epochs=1).fit(lm, loader)
+    val_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(vx, vy), batch_size=batch)
+    _trainer(strategy(), epochs=1).fit(lm, loader, val_loader)  # validates after the epoch, in eval mode
     pipeline = lm.model.plan.pipeline
     assert pipeline is not None and pipeline.stages == WORLD, lm.model.plan
     _losses("pipelined losses", lm.losses, want)
+    _losses("pipelined validation losses", lm.val_losses, want_val)
     ref_params = dict(ref.named_parameters())
     held = dict(lm.model.named_parameters())
     assert held and all(f"layers.{layer}." in name for name in held

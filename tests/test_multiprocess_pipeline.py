@@ -5,8 +5,9 @@ GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, 
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
 recomputed within it (in every stage, in the one stage the budget needs it in, or in one of
 the two stages a device runs and holds together);
-``clip_grad_norm_`` clips by the whole model's norm; and ``torch.distributed.checkpoint`` saves
-and loads every stage's parameters."""
+``clip_grad_norm_`` clips by the whole model's norm; ``torch.distributed.checkpoint`` saves
+and loads every stage's parameters; and ``step()`` without gradients in eval mode evaluates as
+one device in eval mode does (with dropout too)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _close(what, got, want):
 
 
 def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=None, stage_checkpointing=None,
-          layers=LAYERS, **options):
+          layers=LAYERS, evaluate=False, **options):
     import autoparallel
     import models
 
@@ -72,11 +73,13 @@ def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=
             for layer in range(pipeline.boundaries[s], pipeline.boundaries[s + 1])}
     assert held_layers == mine, f"{case_name(name, schedule)}: rank holds layers {held_layers}, its stages {mine}"
 
+    what = case_name(name, schedule)
+    if evaluate:
+        _evaluate(model, ref, batch, what)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     loss = model.step(**batch)
     ref_loss = ref(**batch).loss
     ref_loss.backward()
-    what = case_name(name, schedule)
     _close(f"{what} loss", loss, ref_loss.detach())
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for n, p in model.named_parameters():
@@ -91,6 +94,50 @@ def _case(mesh, name, schedule, microbatches, shard, save_to=None, budget_share=
         _close(f"{what} {n} after one SGD step", p.detach(), ref_params[n].detach())
     if save_to is not None:
         _save_and_load(model, save_to, ref_params, what)
+
+
+def _evaluate(model, ref, batch, what):
+    """``step()`` without gradients in eval mode: the forward only, its graphs captured for
+    this mode on first use; the loss is the single-device model's in eval mode."""
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        want = ref(**batch).loss
+        _close(f"{what} loss in eval mode under no_grad", model.step(**batch), want)
+    with torch.inference_mode():
+        _close(f"{what} loss in eval mode under inference_mode", model.step(**batch), want)
+    assert all(p.grad is None for p in model.parameters()), f"{what}: evaluating left gradients"
+    model.train(), ref.train()
+
+
+def _dropout(rank):
+    """GPT-2 with dropout, planned in training mode: evaluated in eval mode as one device is (a
+    graph with other nodes: the attention without dropout returns another layout), and trained
+    with a dropout probability changed after planning (another graph again) as one device is."""
+    import autoparallel
+    import models
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    ref = models.hf_model("gpt2", layers=LAYERS).train()
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.3
+    batch = models.batch_for("gpt2", 1)
+    model = autoparallel.autoparallelize(copy.deepcopy(ref), models.to_meta(batch), device_mesh=mesh,
+                                         cost_model=autoparallel.CostModel(), cache_dir=False, schedule="1F1B",
+                                         microbatches=4)
+    _evaluate(model, ref, batch, "gpt2 with dropout")
+    assert torch.isfinite(model.step(**batch))  # training mode again: the graphs it was built with
+    for m in (*model.modules(), *ref.modules()):
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for p in model.parameters():
+        p.grad = None
+    _close("gpt2 with dropout set to 0 after planning: loss", model.step(**batch), ref(**batch).loss.detach())
+    ref(**batch).loss.backward()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for n, p in model.named_parameters():
+        _close(f"gpt2 with dropout set to 0 after planning: gradient of {n}", p.grad, ref_params[n].grad)
 
 
 def _save_and_load(model, folder, ref_params, what):
@@ -120,7 +167,7 @@ def _pp_dp(rank, folder):
     # two stages per device, which together overflow the budget: one recomputes, another not
     _case(mesh, "llama", "Interleaved1F1B", 2, shard=False, budget_share=0.8, stage_checkpointing="mixed")
     _case(mesh, "llama", "LoopedBFS", 4, shard=True)
-    _case(mesh, "gpt2", "Interleaved1F1B", 2, shard=True)
+    _case(mesh, "gpt2", "Interleaved1F1B", 2, shard=True, evaluate=True)
     _case(mesh, "gpt2", "LoopedBFS", 4, shard=False)  # runs a stage's backwards last microbatch first
     _case(mesh, "llama", "1F1B", 2, shard=True)
     _case(mesh, "llama", "GPipe", 4, shard=False)
@@ -130,7 +177,7 @@ def _pp4(rank):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     for name in ("gpt2", "llama"):
         for schedule in SCHEDULES:  # 8 layers: two stages on each of the 4 devices under the multi-stage ones
-            _case(mesh, name, schedule, 4, shard=False, layers=8)
+            _case(mesh, name, schedule, 4, shard=False, layers=8, evaluate=schedule == "1F1B")
 
 
 def test_pipeline_parity_pp2_dp2(tmp_path):
@@ -139,6 +186,10 @@ def test_pipeline_parity_pp2_dp2(tmp_path):
 
 def test_pipeline_parity_pp4():
     spawn(_pp4, 4, timeout_s=300)
+
+
+def test_pipeline_evaluates_with_dropout():
+    spawn(_dropout, 4, timeout_s=300)
 
 
 def _auto(rank):

@@ -84,6 +84,12 @@ def test_step_runs_forward_and_backward_of_any_plan(sim_mesh):
     assert not loss.requires_grad
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(f"gradient of {name}", whole(p.grad), q.grad)
+    with LocalTensorMode(frozenset(range(2))), torch.no_grad():  # a validation step: the forward only
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        loss = model.step(**batch)
+    assert_close("loss in eval mode", loss, ref.eval()(**batch).loss.detach())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_step_needs_a_loss(sim_mesh):

@@ -23,7 +23,8 @@ from ..passes.lower import lower, lower_stages
 from ..passes.stages import loss_dtype
 from ..placement import replicated
 from ..plan import Plan
-from ..solver.pipeline import plan_on_rank0
+from ..solver.pipeline import on_rank0, plan_on_rank0
+from ..solver.stages import replan_stages
 from ..tracer import capture
 from ..tracer.batch import global_batch, local_input_meta
 from .batch_check import checked_every
@@ -58,13 +59,14 @@ def emit(model: nn.Module, traced, plan: Plan, device_mesh, check_batch_every: i
     return pmodel
 
 
-def emit_pipeline(model: nn.Module, traced, plan: Plan, device_mesh, untied: dict[str, str],
+def emit_pipeline(model: nn.Module, traced, plan: Plan, device_mesh, untied: dict[str, str], restage: Restage,
                   bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> ParallelModule:
     """Make ``model`` run the pipelined ``plan`` (for ``traced``, one microbatch's capture,
     whose tied parameters ``untied`` names, :func:`~autoparallel.tracer.untie.untie_pieces`)
     in place: it keeps the parameters of this device's stages only, in the plan's placements
     over the stage submesh, and trains through :meth:`ParallelModule.step`
-    (:mod:`autoparallel.codegen.pipeline`). Returns ``model``.
+    (:mod:`autoparallel.codegen.pipeline`); ``restage`` builds the runtime of another mode
+    (``train()``/``eval()``) or other module attributes when first asked for. Returns ``model``.
 
     Raises:
         MeshMismatchError: a mesh of another shape than the plan's, or without axis names.
@@ -75,19 +77,82 @@ def emit_pipeline(model: nn.Module, traced, plan: Plan, device_mesh, untied: dic
     pmodel = parallelize_in_place(model, plan, submesh, param_names=[t for t in traced.params if t in keep],
                                   buffer_names=[t for t in traced.buffers if t in keep], check_batch_every=0,
                                   bucket_cap_bytes=bucket_cap_bytes)
+    runtime, graphs = pipeline_runtime(pmodel, traced, plan, device_mesh, untied)
+    pmodel.add_variant(graphs[plan.pipeline.stages_of_rank(pp_rank)[0]], plan, in_spec=traced.in_spec,
+                       out_spec=traced.out_spec, input_meta=traced.input_meta)
+    pmodel._ap.pipeline = runtime
+    pmodel._ap.restage = restage
+    restage.runtimes[Restage.key(pmodel)] = runtime
+    return pmodel
+
+
+def pipeline_runtime(pmodel: ParallelModule, traced, plan: Plan, device_mesh, untied: dict[str, str]):
+    """The :class:`~autoparallel.codegen.pipeline.PipelineRuntime` that runs ``plan`` for
+    ``traced`` over ``pmodel``'s parameters, and every stage's per-device graph."""
+    submesh, pp_rank = stage_meshes(device_mesh, plan.pipeline)
     root, fake = pmodel.graph_root(traced.constants), FakeTensorMode(allow_non_fake_inputs=True)
     for target in list(traced.params) + list(traced.buffers):  # other stages' state: run on fake tensors only
         if target not in root:
             root[target] = stand_in(get_attr(traced.gm, target), plan.param_placements.get(target), submesh,
                                     plan.holds_dtensors, fake)
-    graphs = [readable(g) for g in lower_stages(traced, plan, submesh, root, bucket_cap_bytes)]
-    mine = plan.pipeline.stages_of_rank(pp_rank)
-    pmodel.add_variant(graphs[mine[0]], plan, in_spec=traced.in_spec, out_spec=traced.out_spec,
-                       input_meta=traced.input_meta)
-    pmodel._ap.pipeline = PipelineRuntime(pmodel, plan.pipeline, graphs, device_mesh, pp_rank, pmodel._ap.coord,
-                                          traced.input_meta, traced.in_spec, untied, traced, loss_dtype(traced.gm),
-                                          fake)
-    return pmodel
+    graphs = [readable(g) for g in lower_stages(traced, plan, submesh, root, pmodel._ap.bucket_cap_bytes)]
+    runtime = PipelineRuntime(pmodel, plan.pipeline, graphs, device_mesh, pp_rank, pmodel._ap.coord,
+                              traced.input_meta, traced.in_spec, untied, traced, loss_dtype(traced.gm), fake)
+    return runtime, graphs
+
+
+class Restage:
+    """The pipeline runtime of each mode (``train()``/``eval()``) and set of plain module
+    attributes (``dropout.p``; :func:`~autoparallel.codegen.module.module_state`) a pipelined
+    module runs in: those it was built in, and any other on first use, captured from a fake
+    skeleton of the model (:func:`meta_skeleton` with fake tensors, made before the module
+    dropped other stages' parameters) and planned with the same pipeline and every parameter
+    where the module holds it (:func:`~autoparallel.solver.stages.replan_stages`; the two
+    modes' graphs may differ by more than dropout's ``train`` flag: an attention kernel
+    without dropout returns another layout). That plan recomputes nothing and is not held to
+    the memory budget: made for evaluation, it keeps no activations.
+
+    Args:
+        skeleton: :func:`meta_skeleton` of the model, or the error that copying it raised.
+        capture_stage: module → ``(traced, untied)``, one microbatch's capture with its tied
+            parameters untied between stages (as the plan's was).
+        options: the options the plan was made with.
+    """
+
+    def __init__(self, skeleton: nn.Module | AutoParallelError, capture_stage, plan: Plan, device_mesh,
+                 options: PlanOptions):
+        self.skeleton, self.capture_stage = skeleton, capture_stage
+        self.plan, self.device_mesh, self.options = plan, device_mesh, options
+        self.grad_enabled = torch.is_grad_enabled()  # capture in the grad mode the first capture saw
+        self.runtimes: dict[tuple, PipelineRuntime] = {}
+
+    @staticmethod
+    def key(pmodel: ParallelModule) -> tuple:
+        return pmodel.training, module_state(pmodel)[0]
+
+    def __call__(self, pmodel: ParallelModule) -> PipelineRuntime:
+        """The runtime of ``pmodel``'s mode and attributes, built on first use.
+
+        Raises:
+            AutoParallelError: the model could not be copied to capture it, or its capture
+                reads a parameter the plan does not place; as :func:`replan_stages`."""
+        key = self.key(pmodel)
+        if key in self.runtimes:
+            return self.runtimes[key]
+        mode = "training" if pmodel.training else "eval"
+        if isinstance(self.skeleton, AutoParallelError):
+            raise AutoParallelError(f"this pipelined module has no graphs for {mode} mode and its module attributes "
+                                    f"now, and capturing them failed: {self.skeleton}")
+        t0 = time.perf_counter()
+        with maybe_disable_local_tensor_mode(), torch.inference_mode(False), torch.set_grad_enabled(self.grad_enabled):
+            self.skeleton.train(pmodel.training)
+            _copy_attributes(pmodel, self.skeleton)
+            traced, untied = self.capture_stage(self.skeleton)
+            plan = on_rank0(lambda: replan_stages(traced, self.plan, self.options))
+            runtime, _ = pipeline_runtime(pmodel, traced, plan, self.device_mesh, untied)
+        self.runtimes[key] = runtime
+        log.info("planned the pipeline's stages in %s mode (%.2f s)", mode, time.perf_counter() - t0)
+        return runtime
 
 
 def add_variant(pmodel: ParallelModule, traced, plan: Plan, device_mesh) -> Variant:
@@ -128,10 +193,13 @@ def check_rank_order(device_mesh) -> None:
                 "or pass the global batch on every rank (inputs='global')")
 
 
-def meta_skeleton(model: nn.Module) -> nn.Module:
+def meta_skeleton(model: nn.Module, fake_mode: FakeTensorMode | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and
     dtypes (parameters stay ``nn.Parameter`` with the same ``requires_grad``; tied tensors
-    share one copy): enough to capture it again, and no weight is copied or kept alive.
+    share one copy): enough to capture it again, and no weight is copied or kept alive. With
+    ``fake_mode``, fake tensors of it on the tensors' own devices instead: their capture is the
+    model's own, node for node (a meta capture may differ, e.g. by a ``contiguous`` where the
+    device's attention kernel returns another layout).
 
     Raises:
         AutoParallelError: ``copy.deepcopy`` fails on an attribute of the model.
@@ -141,7 +209,7 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     for _, t in state:
         if id(t) in memo:
             continue
-        meta = torch.empty_like(t, device="meta")
+        meta = fake_mode.from_tensor(t.detach()) if fake_mode is not None else torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     try:
         return copy.deepcopy(model, memo)

@@ -236,7 +236,8 @@ class _State:
     recapture: object = None
     eager: EagerRunner = field(default_factory=EagerRunner)
     no_sync: bool = False
-    pipeline: object = None
+    pipeline: object = None  # the pipeline runtime of the mode the module was built in
+    restage: object = None  # (mode, module attributes) -> their pipeline runtime (codegen.emit.Restage)
     stepped: bool = False  # step() ran a backward since a trainer last looked (autoparallel.lightning)
 
 
@@ -367,7 +368,11 @@ class ParallelModule(NotPicklable, nn.Module):
         """One training step's forward and backward on the global batch ``(args, kwargs)``
         (under ``inputs="local"`` this rank's batch), for any plan: a pipelined one runs its
         schedule over the microbatches (:mod:`autoparallel.codegen.pipeline`), any other calls
-        the module and backpropagates its loss. Then call ``optimizer.step()``.
+        the module and backpropagates its loss. Then call ``optimizer.step()``. Under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` it evaluates: the forward only (a
+        validation loop's step), in the module's mode (a pipelined module in a mode or with
+        module attributes it was not built in captures and plans them on first use, with the
+        same stages and every parameter where it is: :class:`~autoparallel.codegen.emit.Restage`).
 
         Returns:
             the loss, detached, the same on every rank: the first 0-d floating value the model
@@ -376,22 +381,24 @@ class ParallelModule(NotPicklable, nn.Module):
             over the same number of elements.
 
         Raises:
-            AutoParallelError: the model returns no 0-d floating value to backpropagate.
+            AutoParallelError: the model returns no 0-d floating value; a pipelined module in a
+                new mode or with new attributes whose capture or plan fails (``Restage``).
             InputMismatchError: a pipelined module called with inputs it was not planned for.
         """
         if self._ap.pipeline is not None:
-            loss = self._ap.pipeline.step(args, kwargs)
-            self._ap.stepped = True
+            loss = self._ap.restage(self).step(args, kwargs)
+            self._ap.stepped = torch.is_grad_enabled()
             return loss
         out = self(*args, **kwargs)
         loss = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.dim() == 0
                      and x.is_floating_point()), None)
         if loss is None:
-            raise AutoParallelError(f"step() backpropagates the loss the model returns, but {type(self).__name__} "
+            raise AutoParallelError(f"step() returns the loss the model returns, but {type(self).__name__} "
                                     "returned no 0-d floating tensor (pass labels, or call the module and "
                                     "backpropagate your own loss)")
-        loss.backward()
-        self._ap.stepped = True
+        if torch.is_grad_enabled():
+            loss.backward()
+            self._ap.stepped = True
         return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

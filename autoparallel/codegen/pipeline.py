@@ -176,8 +176,9 @@ class PipelineRuntime:
         self.tied = _TiedParameters(model, device_mesh, pipeline, pp_rank, tied, traced)
 
     def step(self, args, kwargs) -> torch.Tensor:
-        """Forward and backward of the global batch ``(args, kwargs)`` over the microbatches;
-        returns its loss (the microbatches' mean), the same on every device.
+        """Forward and backward of the global batch ``(args, kwargs)`` over the microbatches
+        (the forward only, torch's ``schedule.eval``, with gradients off); returns its loss
+        (the microbatches' mean), the same on every device.
 
         Raises:
             InputMismatchError: inputs of another structure or shape than planned."""
@@ -192,11 +193,14 @@ class PipelineRuntime:
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         losses: list[torch.Tensor] = []
         target = torch.arange(m)
+        train = torch.is_grad_enabled()
+        run = self.schedule.step if train else self.schedule.eval
         if 0 in self.pipeline.stages_of_rank(self.pp_rank):
-            self.schedule.step(*tensors, target=target, losses=losses)
+            run(*tensors, target=target, losses=losses)
         else:
-            self.schedule.step(target=target, losses=losses)
-        self.tied.sum_grads()
+            run(target=target, losses=losses)
+        if train:
+            self.tied.sum_grads()
         return self._loss(losses)
 
     def total_norm(self, params: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool,

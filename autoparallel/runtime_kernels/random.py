@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+from torch._subclasses.fake_tensor import is_fake
 
 _M64 = (1 << 64) - 1
 _coords: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, ...]]" = weakref.WeakKeyDictionary()
@@ -98,10 +99,12 @@ def _per_shard(fn: Callable[..., torch.Tensor], seed, stream: int, coord, stride
         dev = next((t.device for t in ts if isinstance(t, torch.Tensor)), torch.device("cpu"))
         index = sum(ci * st for ci, st in zip(c, strides))
         g = torch.Generator(device=dev)
-        g.manual_seed(stream_seed(int(s), stream, index))
+        g.manual_seed(stream_seed(0 if is_fake(s) else int(s), stream, index))
         with torch.no_grad():
             return fn(g, *ts)
 
+    if is_fake(seed):  # the graph runs on fake tensors for their shapes (codegen.pipeline.stage_io): no values
+        return run(seed, (), tensors)
     if ranks is None:
         return run(seed, _coord_of(coord), tensors)
     with maybe_disable_local_tensor_mode():

@@ -786,6 +786,27 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
     return plan
 
 
+def replan_stages(traced, plan: Plan, options: PlanOptions) -> Plan:
+    """The plan of another capture ``traced`` of a pipelined model (in another mode, or with
+    other module attributes; one microbatch's, its ties untied as the plan's) that runs
+    ``plan``'s pipeline: the same axis, stages, schedule and microbatches, every parameter and
+    buffer pinned where ``plan`` holds it on the stage submesh, solved on that submesh as
+    :func:`plan_stages` solves a stage's plan, without recomputation or a memory budget (an
+    evaluation keeps no activations for a backward).
+
+    Raises:
+        AutoParallelError: ``traced`` reads a parameter or buffer ``plan`` has no placement
+            for; InfeasiblePlanError, ShardingRuleError as :func:`plan_stages`.
+    """
+    pl = plan.pipeline
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+                            memory_budget="unlimited", checkpointing="off")
+    inner = plan_traced(traced, submesh(pl.mesh, pl.axis), _on_submesh(inner_options, pl.axis),
+                        pinned=dict(plan.param_placements))
+    inner.pipeline = replace(pl, checkpointing=("off",) * pl.stages)
+    return inner
+
+
 def _on_submesh(options: PlanOptions, axis: int) -> PlanOptions:
     """``options`` for a stage's solve on the mesh less ``axis``: a cost model profiled on the
     whole mesh priced by its profile of the submesh (:meth:`~.costs.CostModel.submesh`)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
@@ -93,16 +93,22 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _example_inputs(meta_inputs, device: torch.device):
+def _fake_mode_of(model: torch.nn.Module) -> FakeTensorMode | None:
+    t = next(iter([*model.parameters(), *model.buffers()]), None)
+    return t.fake_mode if isinstance(t, FakeTensor) else None
+
+
+def _example_inputs(meta_inputs, device: torch.device, fake_mode: FakeTensorMode | None = None):
     """``(args, kwargs)`` of tensors with the inputs' shapes and dtypes, on the model's device,
     allocating nothing: meta tensors for a meta model, FakeTensors otherwise (export then
-    fakifies the real weights in the same mode, without copying them)."""
+    fakifies the real weights in the same mode, without copying them), in ``fake_mode`` when
+    the weights are fake already (:func:`~autoparallel.codegen.emit.meta_skeleton` with a fake mode)."""
     args, kwargs = (tuple(), dict(meta_inputs)) if isinstance(meta_inputs, dict) else (tuple(meta_inputs), {})
     if device.type == "meta":
         def make(x):
             return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
 
         def make(x):
             with mode:
@@ -217,7 +223,7 @@ class ColoTracer:
 
     def _capture(self, model: torch.nn.Module, meta_inputs) -> TracedModel:
         device = _model_device(model)
-        args, kwargs = _example_inputs(meta_inputs, device)
+        args, kwargs = _example_inputs(meta_inputs, device, _fake_mode_of(model))
         names_by_id: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names_by_id.setdefault(id(p), []).append(n)
