@@ -34,6 +34,7 @@ class MemoryBreakdown:
     activations: int = 0
     gathered: int = 0
     temporaries: int = 0
+    inputs: int = 0
     outputs: int = 0
     buffers: int = 0
 
@@ -71,7 +72,7 @@ class MemoryPeak:
 
     def __repr__(self) -> str:
         return (f"MemoryPeak(peak_bytes={units.nbytes(self.peak_bytes)}, peak_step={self.peak_step}, "
-                f"steps={self.steps}, breakdown={self.breakdown!r})")
+                f"steps={self.steps},\n           breakdown={self.breakdown!r})")
 
     @property
     def phase(self) -> str:

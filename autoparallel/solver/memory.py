@@ -33,6 +33,9 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
   layout at that step; :class:`Item` with ``param``);
 * the gradient-bucket buffers of parameters replicated along a mesh axis (kind ``buffers``: the
   flat copy and the all-reduce's result, at the backward of the parameter's first use);
+* the batch the caller passes (kind ``inputs``), through the whole step (the caller holds
+  it): the global batch on every device under ``inputs="global"`` (the module reads its piece
+  as a view of it), this device's piece under ``"local"``;
 * the values the module returns (kind ``outputs``), through the whole backward (the caller
   holds them while it runs), at their returned size: under the placements
   :func:`~autoparallel.plan.returned_spec` gives their producer's spec (whole logits
@@ -66,6 +69,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
 
 from .. import rewrites, units
 from ..placement import R, Spec, local_shape
@@ -73,6 +77,7 @@ from ..plan import returned_spec
 from ..results import MemoryBreakdown, MemoryPeak
 from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
+from ..strategies.generator import local_input_spec
 from ..strategies.records import record_of
 from ..tracer.annotate import node_info
 
@@ -459,6 +464,8 @@ class MemoryModel:
         traced_on: the device type the graph was captured on.
         outputs / whole_outputs: how the module returns the graph's outputs, as
             :class:`~autoparallel.solver.planner.Planner` takes them.
+        inputs: how the caller passes the batch (``PlanOptions.inputs``): ``"global"``, the
+            whole batch on every device; ``"local"``, each device its piece.
         cost_model: the planner's :class:`~autoparallel.solver.costs.CostModel`: an op's
             ``OpRecord.load`` under it sizes the busiest device's saved tensors (routed experts
             under ``expert_imbalance``); ``None``: every op's work divides evenly.
@@ -473,7 +480,7 @@ class MemoryModel:
 
     def __init__(self, gm: fx.GraphModule, aliases, mesh_shape, *, optimizer: str = DEFAULT_OPTIMIZER,
                  device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
-                 whole_outputs: frozenset[int] = frozenset(), cost_model=None, layout=None):
+                 whole_outputs: frozenset[int] = frozenset(), cost_model=None, layout=None, inputs: str = "global"):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
@@ -513,7 +520,12 @@ class MemoryModel:
                     if k:
                         items.append(Item("optimizer", u, 0, back, lambda s, f=size, k=k: k * f(s)))
                 continue
-            items.append(Item("temporaries", u, step[u], end, out_size(u, i), forward_value=True))
+            if u.op == "placeholder":  # the caller's batch, held through the step
+                shape, dtype = info.outputs[i]
+                whole = math.prod(shape) * dtype.itemsize if inputs == "global" else None
+                items.append(Item("inputs", u, 0, back, out_size(u, i) if whole is None else lambda s, b=whole: b))
+            else:
+                items.append(Item("temporaries", u, step[u], end, out_size(u, i), forward_value=True))
             if info.requires_grad and info.outputs[i][1].is_floating_point:
                 items.append(Item("temporaries", u, back - end, back - step[u], out_size(u, i)))
         first_saver: dict = {}
@@ -539,12 +551,28 @@ class MemoryModel:
                 x = tensor_inputs(n)[rec.input_pos][1]
                 shape, dtype = node_info(x).outputs[0]
                 size = lambda s, sh=shape, dt=dtype, j=rec.input_pos: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape)
+                if u.op == "placeholder":  # the caller's batch (an ``inputs`` item) unless redistributed
+                    size = self._unless_caller_view(size, rec.input_pos, inputs)
                 items.append(Item("activations", n, start, end, rewrites.saved_size(n, x, shape, size), value=u))
             else:
                 items.append(Item("activations", u, start, end, out_size(u, i), value=u))
         items += self._consumer_gradient_items(aliases, step, back)
         items += self._returned_items(gm, aliases, outputs, whole_outputs)
         self.items = items
+
+    def _unless_caller_view(self, size: Callable[[Strategy], int], j: int, inputs: str) -> Callable[[Strategy], int]:
+        """``size`` of a consumer's input ``j`` that is the caller's batch, or 0 where the spec
+        it reads is a view of what the caller passes: under ``inputs="global"`` the whole batch,
+        of which any split along dim 0 only is a slice; under ``"local"`` this device's piece,
+        read in its own spec."""
+        held = local_input_spec(self.mesh_shape) if inputs == "local" else None
+
+        def unless_view(s: Strategy) -> int:
+            spec = tuple(s.inputs[j])
+            view = spec == tuple(held) if held is not None else all(p == R or p == Shard(0) for p in spec)
+            return 0 if view else size(s)
+
+        return unless_view
 
     def _bucket_size(self, size: Callable[[Strategy], int]) -> Callable[[Strategy], int]:
         """Bytes the gradient all-reduce of a parameter replicated along a mesh axis allocates

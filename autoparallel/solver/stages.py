@@ -303,7 +303,7 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_pie
         whole = written_back_outputs(gm, traced.buffer_mutations)
         model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
                             traced_on=traced.device, outputs=options.outputs, whole_outputs=whole,
-                            cost_model=options.cost_model)
+                            cost_model=options.cost_model, inputs=options.inputs)
     choice = _choice(inner, gm)
     state, saved, dropped = np.zeros(P), np.zeros(P), np.zeros(P)
     live = np.zeros((P, model.steps + 1))
