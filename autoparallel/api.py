@@ -12,8 +12,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -28,7 +28,7 @@ from .recipes import Comparison, Row
 from .solver import CostModel
 from .solver.memory import device_capacity, resolve_budget
 from .solver.pipeline import on_rank0, plan_on_rank0, plan_traced
-from .solver.stages import pipeline_axis, plan_stages, recipe_row
+from .solver.stages import pipeline_axis, plan_stages, recipe_row, replan_stages
 from .strategies.coverage import CoverageReport, coverage_of
 from .tracer import capture
 from .tracer.batch import global_batch, microbatch
@@ -346,6 +346,10 @@ def _parallelize_stages(model, meta_inputs, device_mesh, opts: PlanOptions, plan
     def capture_stage(module):
         return _stage_capture(module, meta_inputs, opts, layers, plan.pipeline.microbatches)
 
+    def capture_and_plan(module):  # another mode or module attributes: the same stages, parameters pinned
+        traced, untied = capture_stage(module)
+        return traced, untied, on_rank0(lambda: replan_stages(traced, plan, opts))
+
     with maybe_disable_local_tensor_mode():
         traced, untied = capture_stage(model)
         validate_plan(plan, traced, mesh_shape=plan.mesh.shape)
@@ -353,7 +357,7 @@ def _parallelize_stages(model, meta_inputs, device_mesh, opts: PlanOptions, plan
             skeleton = meta_skeleton(model, FakeTensorMode(allow_non_fake_inputs=True))
         except AutoParallelError as e:
             skeleton = e
-    restage = Restage(skeleton, capture_stage, plan, device_mesh, opts)
+    restage = Restage(skeleton, capture_and_plan, device_mesh)
     return emit_pipeline(model, traced, plan, device_mesh, untied, restage, cap)
 
 

@@ -23,8 +23,7 @@ from ..passes.lower import lower, lower_stages
 from ..passes.stages import loss_dtype
 from ..placement import replicated
 from ..plan import Plan
-from ..solver.pipeline import on_rank0, plan_on_rank0
-from ..solver.stages import replan_stages
+from ..solver.pipeline import plan_on_rank0
 from ..tracer import capture
 from ..tracer.batch import global_batch, local_input_meta
 from .batch_check import checked_every
@@ -114,15 +113,12 @@ class Restage:
 
     Args:
         skeleton: :func:`meta_skeleton` of the model, or the error that copying it raised.
-        capture_stage: module → ``(traced, untied)``, one microbatch's capture with its tied
-            parameters untied between stages (as the plan's was).
-        options: the options the plan was made with.
+        capture_and_plan: module → ``(traced, untied, plan)``: one microbatch's capture with its
+            tied parameters untied between stages (as the plan's was), and its plan.
     """
 
-    def __init__(self, skeleton: nn.Module | AutoParallelError, capture_stage, plan: Plan, device_mesh,
-                 options: PlanOptions):
-        self.skeleton, self.capture_stage = skeleton, capture_stage
-        self.plan, self.device_mesh, self.options = plan, device_mesh, options
+    def __init__(self, skeleton: nn.Module | AutoParallelError, capture_and_plan, device_mesh):
+        self.skeleton, self.capture_and_plan, self.device_mesh = skeleton, capture_and_plan, device_mesh
         self.grad_enabled = torch.is_grad_enabled()  # capture in the grad mode the first capture saw
         self.runtimes: dict[tuple, PipelineRuntime] = {}
 
@@ -135,7 +131,8 @@ class Restage:
 
         Raises:
             AutoParallelError: the model could not be copied to capture it, or its capture
-                reads a parameter the plan does not place; as :func:`replan_stages`."""
+                reads a parameter the plan does not place; as
+                :func:`~autoparallel.solver.stages.replan_stages`."""
         key = self.key(pmodel)
         if key in self.runtimes:
             return self.runtimes[key]
@@ -147,8 +144,7 @@ class Restage:
         with maybe_disable_local_tensor_mode(), torch.inference_mode(False), torch.set_grad_enabled(self.grad_enabled):
             self.skeleton.train(pmodel.training)
             _copy_attributes(pmodel, self.skeleton)
-            traced, untied = self.capture_stage(self.skeleton)
-            plan = on_rank0(lambda: replan_stages(traced, self.plan, self.options))
+            traced, untied, plan = self.capture_and_plan(self.skeleton)
             runtime, _ = pipeline_runtime(pmodel, traced, plan, self.device_mesh, untied)
         self.runtimes[key] = runtime
         log.info("planned the pipeline's stages in %s mode (%.2f s)", mode, time.perf_counter() - t0)

@@ -101,7 +101,8 @@ class _BucketReduction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         params = ctx.params
-        if not (ctx.sync if ctx.sync is not None else _SYNC[-1] is not False):  # no_sync: this device's partial sums, reduced by a later backward
+        sync = ctx.sync if ctx.sync is not None else _SYNC[-1]  # None in the forward: the backward's choice
+        if sync is False:  # no_sync: this device's partial sums, reduced by a later backward
             for p, g in zip(params, grads):
                 _add_grad(p, g)
                 _UNSYNCED[p] = True
