@@ -26,12 +26,11 @@ other, then timed in interleaved rounds, as ``vs_torch.py`` does (its machinery:
 median over rounds of the slowest rank's mean step; peak memory the largest rank's, on CPU
 ``MemTracker`` over one steady-state step, on CUDA ``torch.cuda.max_memory_allocated``).
 
-Per budget and recipe the table prints the step, the measured peak, the device bytes (the
-measured peak, except ``FSDP2+offload``, and ``autoparallelize`` when its plan offloads parameters, on
-CPU: there host and device are one memory, so its
-measured peak counts what it offloads; its device bytes are the measured peak less what it keeps
-on the host, its sharded parameters, their gradients and its optimizer states, a lower bound where
-the peak comes before every sharded gradient exists), whether the device bytes fit the budget,
+Per budget and recipe the table prints the step, the measured peak on the device, the peak of
+what it holds in host memory (``FSDP2+offload``, and ``autoparallelize`` when its plan offloads
+parameters: their shards, gradients and optimizer states; on CPU, where host and device are one
+memory, ``MemTracker`` counts these tensors apart, moving each gradient to the host's account as
+it is accumulated: ``vs_torch.measure_peak_cpu``), whether the device peak fits the budget,
 and for autoparallel its modelled peak (``plan.estimate.peak_memory_bytes``), its step over the
 fastest recipe that fits ("none fits" when none does) and modelled over measured peak.
 
@@ -66,23 +65,6 @@ def model_sizes(quick: bool) -> dict:
     return dict(layers=4, hidden=512, heads=8, vocab=8192, batch=8, seq=128)
 
 
-def shard_bytes(tensors) -> int:
-    """Bytes of this rank's part of ``tensors`` (DTensors' local shards)."""
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-def host_bytes(v, names=None) -> int:
-    """What an offloading variant keeps on the host: its sharded parameters (those named in
-    ``names``, else all: ``CPUOffloadPolicy``), a gradient of each, their optimizer states."""
-    params = [p for n, p in v.module.named_parameters() if names is None or n in names]
-    states = [t for p in params for t in v.optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
-    return 2 * shard_bytes(params) + shard_bytes(states)
-
-
 def build_variants(args, model, batch, dev, rank, world, job):
     """DDP, then (once its peak, gathered over the ranks, has set ``job``'s budgets) the other
     recipes and autoparallel at each budget; a generator, as :func:`vs_torch.build_and_measure`
@@ -113,9 +95,8 @@ def build_variants(args, model, batch, dev, rank, world, job):
     yield recipe("FSDP2+AC", V.fsdp_module(model, dev, mesh, checkpoint=True))
     offload = recipe("FSDP2+offload", V.fsdp_module(model, dev, mesh, offload_policy=CPUOffloadPolicy(
         pin_memory=dev.type == "cuda")))
+    offload.host_params = list(offload.module.parameters())
     yield offload
-    if offload.optimizer is not None:  # built, warmed up and measured by now
-        job["host_bytes"] = int(V.max_over_ranks([host_bytes(offload)], dev)[0])
     del offload
 
     for fraction, budget in job["budgets"].items():
@@ -126,9 +107,8 @@ def build_variants(args, model, batch, dev, rank, world, job):
             v.est_parts["memory_budget_bytes"] = plan.estimate.memory_budget_bytes
             v.est_parts["checkpoint_regions"] = len(plan.checkpoint.regions) if plan.checkpoint else 0
             v.est_parts["memory"] = plan.estimate.memory.to_json() if plan.estimate.memory else None
+            v.host_params = [p for n, p in v.module.named_parameters() if n in set(plan.offloaded)]
         yield v
-        if v.module is not None and v.module.plan.offloaded and v.optimizer is not None:
-            v.est_parts["host_bytes"] = int(V.max_over_ranks([host_bytes(v, set(v.module.plan.offloaded))], dev)[0])
 
 
 def run_model(args, model_name, dev, rank, world) -> dict:
@@ -146,17 +126,6 @@ def run_model(args, model_name, dev, rank, world) -> dict:
 
 # --------------------------------------------------------------------------- the table
 
-def device_bytes(job, v):
-    """The variant's peak on the device: measured, less the host's part for offload on CPU
-    (``FSDP2+offload``, and a plan that offloads parameters)."""
-    if v["peak_bytes"] is None:
-        return None
-    host = job.get("host_bytes") if v["name"] == "FSDP2+offload" else (v["estimate_parts"] or {}).get("host_bytes")
-    if job["memory"] == "MemTracker" and host is not None:
-        return max(0, v["peak_bytes"] - host)
-    return v["peak_bytes"]
-
-
 def _mib(x):
     return "" if x is None else f"{x / MIB:.1f}"
 
@@ -165,15 +134,14 @@ def table(results: list[dict]) -> str:
     """A block of rows per job and budget: every recipe, then autoparallel; the targets under it."""
     from tabulate import tabulate
 
-    hdr = ["world", "budget MiB", "variant", "s/step", "peak MiB", "device MiB", "fits", "modelled MiB",
+    hdr = ["world", "budget MiB", "variant", "s/step", "device MiB", "host MiB", "fits", "modelled MiB",
            "model/meas", "vs fastest fitting", "loss0"]
     rows, checks, notes = [], [], []
     for job in results:
         recipes = [v for v in job["variants"] if not v["name"].startswith(AUTO)]
         for fraction, budget in job.get("budgets", {}).items():
             autos = [v for v in job["variants"] if v["name"] == f"{AUTO} {fraction}"]
-            fitting = [v for v in recipes if v["step_s"] and device_bytes(job, v) is not None
-                       and device_bytes(job, v) <= budget]
+            fitting = [v for v in recipes if v["step_s"] and v["peak_bytes"] is not None and v["peak_bytes"] <= budget]
             fastest = min(fitting, key=lambda v: v["step_s"]) if fitting else None
             where = f"world {job['world']}, budget {fraction} x DDP = {budget / MIB:.1f} MiB"
             for i, v in enumerate(recipes + autos):
@@ -185,14 +153,13 @@ def table(results: list[dict]) -> str:
                                                               ""])
                     notes.append(f"{where}: {v['name']}: {v['na'] or v['error']}")
                     continue
-                dev_b, model_b = device_bytes(job, v), (v["estimate_parts"] or {}).get("peak_memory_bytes")
+                dev_b, model_b = v["peak_bytes"], (v["estimate_parts"] or {}).get("peak_memory_bytes")
                 fits = dev_b is not None and dev_b <= budget
                 auto = v["name"].startswith(AUTO)
                 ratio = ((f"{v['step_s'] / fastest['step_s']:.2f}x {fastest['name']}" if fastest else "none fits")
                          if auto else "")
                 ok_loss = abs(v["loss0"] - job["ref_loss"]) <= 1e-4 * abs(job["ref_loss"]) + 1e-5
-                rows.append(cells + [V.fmt_s(v["step_s"]), _mib(v["peak_bytes"]),
-                                     _mib(dev_b) + (" *" if dev_b != v["peak_bytes"] else ""),
+                rows.append(cells + [V.fmt_s(v["step_s"]), _mib(dev_b), _mib(v["host_peak_bytes"]),
                                      "yes" if fits else "NO", _mib(model_b),
                                      f"{model_b / dev_b:.2f}" if model_b and dev_b else "",
                                      ratio, f"{v['loss0']:.4f}" + ("" if ok_loss else " (!)")])
@@ -225,13 +192,11 @@ def table(results: list[dict]) -> str:
             f"world {r['world']}: {_mib(r.get('ddp_peak_bytes'))} MiB" for r in results) + ")",
         f"s/step: median over {r0.get('rounds')} interleaved rounds of the slowest rank's mean over {r0.get('steps')} "
         f"steps, after {r0.get('warmup')} warm-up steps; the recipes are measured once and repeated under each budget",
-        f"peak MiB: per device, largest rank, {r0.get('memory')}; fits: device MiB <= budget; modelled: "
-        "plan.estimate.peak_memory_bytes; vs fastest fitting: autoparallel's s/step over the fastest recipe that fits",
-        "* FSDP2+offload on CPU: host and device are one memory, so its peak MiB counts what it offloads; device "
-        "MiB is that peak less what it keeps on the host (" + "; ".join(
-            f"world {r['world']}: {_mib(r.get('host_bytes'))} MiB" for r in results) + ": sharded parameters, their "
-        "gradients, optimizer states), and its step pays no host-device copies; the same for autoparallel where its "
-        "plan offloads parameters (plan.offloaded)"])
+        f"device MiB: peak per device, largest rank, {r0.get('memory')}; host MiB: the peak of what an offloading "
+        "variant holds in host memory (FSDP2+offload; autoparallel where plan.offloaded names parameters: their "
+        "shards, gradients, optimizer states), counted apart on CPU, where host and device are one memory and the "
+        "step pays no host-device copies; fits: device MiB <= budget; modelled: plan.estimate.peak_memory_bytes; "
+        "vs fastest fitting: autoparallel's s/step over the fastest recipe that fits"])
     parts = [head, tabulate(rows, hdr, tablefmt="simple", disable_numparse=True)]
     if checks:
         parts.append("targets:\n" + "\n".join("  " + c for c in checks))

@@ -221,6 +221,8 @@ class Variant:
         self.plan_s = None
         self.step_s, self.fb_s = [], []
         self.peak_bytes = None
+        self.host_params = ()         # offload: parameters whose shards, gradients and states are host memory
+        self.host_peak_bytes = None   # CPU, with host_params: the peak of what is held in host memory
         self.loss0 = None
         self.error = None
         self.hold_outputs = False     # keep the module's outputs through the step, as a loop reading logits does
@@ -844,7 +846,9 @@ def sync(dev):
 
 def measure_peak_cpu(v: Variant) -> int:
     """The peak bytes MemTracker records over one more step of ``v`` (warmed up, optimizer
-    states present)."""
+    states present) on the device. On a CPU host and device are one memory: what ``v`` holds
+    in host memory (``v.host_params``: their shards, gradients and optimizer states) is
+    counted apart, its peak kept as ``v.host_peak_bytes``."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -858,11 +862,47 @@ def measure_peak_cpu(v: Variant) -> int:
         v.optimizer.zero_grad(set_to_none=False)
     tracker = MemTracker()
     # ZeroRedundancyOptimizer holds its shard's states in the optimizer it wraps
-    tracker.track_external(v.module, getattr(v.optimizer, "optim", v.optimizer), *v.batch.values())
-    with tracker:
-        v.step(lambda: None)
+    optimizer = getattr(v.optimizer, "optim", v.optimizer)
+    tracker.track_external(v.module, optimizer, *v.batch.values())
+    states = [t for p in v.host_params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
+    on_host(tracker, list(v.host_params) + states)
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: on_host(tracker, [p.grad])) for p in v.host_params]
+    try:
+        with tracker:
+            v.step(lambda: None)
+    finally:
+        for h in hooks:
+            h.remove()
     snap = tracker.get_tracker_snapshot("peak")
-    return int(sum(d.get("Total", 0) for d in snap.values()))
+    if v.host_params:
+        v.host_peak_bytes = int(snap.get(HOST, {}).get("Total", 0))
+    return int(sum(d.get("Total", 0) for dev, d in snap.items() if dev != HOST))
+
+
+HOST = "host"  # MemTracker's account of host-held tensors on a CPU (measure_peak_cpu)
+
+
+def on_host(tracker, tensors) -> None:
+    """Move ``tensors``' storages from the device's account of ``tracker`` (a ``MemTracker``)
+    to :data:`HOST`'s, where its peak is taken apart; tracked first if they were not. Reads
+    MemTracker's bookkeeping (``_WINFO``, ``_update_snap``; torch 2.13), which has no public
+    way to tell two memories of one device apart."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+
+    for t in tensors:
+        storages = get_untyped_storages(t)
+        if not any(st in tracker._WINFO for st in storages):
+            tracker._update_and_maybe_create_winfos(t, _MemRefType.OTH)
+        for st in storages:
+            winfo, _ = tracker._WINFO.get(st, (None, None))
+            if winfo is None or winfo.device == HOST:
+                continue
+            if winfo.mem_consumed:
+                tracker._update_snap(_UpdateType.DEL, winfo)
+            winfo.device = HOST
+            if winfo.mem_consumed:
+                tracker._update_snap(_UpdateType.ADD, winfo)
 
 
 def run_worker(args, run_model_fn=None) -> list[dict] | None:
@@ -980,13 +1020,14 @@ def time_rounds(variants: list[Variant], args, dev, world) -> None:
         return
     t = torch.tensor([[*v.step_s, *v.fb_s] for v in live], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    peaks = max_over_ranks([v.peak_bytes or 0 for v in live], dev)
+    peaks = max_over_ranks([v.peak_bytes or 0 for v in live] + [v.host_peak_bytes or 0 for v in live], dev)
     losses = torch.tensor([v.loss0 for v in live], dtype=torch.float64, device=dev)
     dist.all_reduce(losses, op=dist.ReduceOp.SUM)
     for i, v in enumerate(live):
         row = t[i].tolist()
         v.step_s, v.fb_s = row[:args.rounds], row[args.rounds:]
         v.peak_bytes = int(peaks[i]) if v.peak_bytes is not None else None
+        v.host_peak_bytes = int(peaks[len(live) + i]) if v.host_peak_bytes is not None else None
         if v.mean_loss:
             v.loss0 = float(losses[i].item()) / world
         # else every rank computed the loss of the global batch (checked equal below on rank 0)
@@ -1009,7 +1050,8 @@ def variant_record(v: Variant) -> dict:
         "step_s": statistics.median(v.step_s) if v.step_s else None,
         "fwd_bwd_s": statistics.median(v.fb_s) if v.fb_s else None,
         "rounds_step_s": v.step_s, "estimate_s": v.estimate, "estimate_parts": v.est_parts,
-        "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "loss0": v.loss0, "error": v.error, "note": v.note}
+        "plan_s": v.plan_s, "peak_bytes": v.peak_bytes, "host_peak_bytes": v.host_peak_bytes, "loss0": v.loss0,
+        "error": v.error, "note": v.note}
 
 
 # --------------------------------------------------------------------------- the table

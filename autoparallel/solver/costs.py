@@ -684,6 +684,13 @@ class CostModel:
         self.device = device
         self.mesh: MeshSpec | None = None
 
+    @property
+    def host_is_device(self) -> bool:
+        """Whether the devices priced are this host's CPUs (the profile's device type, else the
+        ``cpu`` preset): host memory is then the device's own, and a parameter offloaded to it
+        is read in place, with no device copy (:func:`autoparallel.runtime_kernels.onto_device`)."""
+        return (self.profile.identity["device_type"] if self.profile is not None else self.device.name) == "cpu"
+
     @classmethod
     def from_profile(cls, source, device: str | DevicePreset | None = None) -> "CostModel":
         """The cost model of a measured mesh: collectives from the profile's tables, compute

@@ -178,7 +178,8 @@ class Item:
     With ``param`` set, a parameter that ``owner`` uses as its input ``input_pos`` (an
     all-gathered weight autograd keeps, or its gradient): it exists only when the owner's
     input spec is not a local slice of the parameter's (:func:`is_copy`) or the parameter is
-    offloaded to host memory (its device copy). With ``producer`` set (``(node, output
+    offloaded to host memory and ``copies_offloaded`` (its device copy; none where host memory
+    is the device's, on a CPU). With ``producer`` set (``(node, output
     index)``), the gradient of that value on its way back from the layout ``owner`` takes it in
     as input ``input_pos`` to the producer's: it exists only when the two layouts differ, sized
     by ``passing(held, seen)`` (``size``: the bytes in the owner's layout). Either way its exact
@@ -200,6 +201,7 @@ class Item:
     producer: tuple[fx.Node, int] | None = None
     passing: Callable[[Spec, Spec], int] | None = None
     input_pos: int = 0
+    copies_offloaded: bool = True
 
     @property
     def held_by(self) -> fx.Node | None:
@@ -212,7 +214,7 @@ class Item:
         seen = s.inputs[self.input_pos] if self.held_by is not None else None
         if self.param is not None:
             held = choice[self.param]
-            if not held.offload and not is_copy(held.outputs[0], seen):
+            if not (held.offload and self.copies_offloaded) and not is_copy(held.outputs[0], seen):
                 return 0
         elif self.producer is not None:
             held = choice[self.producer[0]].outputs[self.producer[1]]
@@ -485,6 +487,7 @@ class MemoryModel:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
         self.mesh_shape = tuple(mesh_shape)
         self.cost_model, self.layout = cost_model, layout
+        self.copies_offloaded = not (cost_model is not None and cost_model.host_is_device)
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
         self.nodes = nodes  # forward step i runs nodes[i]
         step = {n: i for i, n in enumerate(nodes)}
@@ -595,9 +598,10 @@ class MemoryModel:
         def size(s):
             return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
 
-        items = [Item("gathered", saver, start, end, size, param=param, input_pos=j)]
+        copies = self.copies_offloaded
+        items = [Item("gathered", saver, start, end, size, param=param, input_pos=j, copies_offloaded=copies)]
         if node_info(param).requires_grad:
-            items.append(Item("gathered", saver, end, end, size, param=param, input_pos=j))
+            items.append(Item("gathered", saver, end, end, size, param=param, input_pos=j, copies_offloaded=copies))
         return items
 
     def _consumer_gradient_items(self, aliases, step: dict[fx.Node, int], back: int) -> list[Item]:
@@ -715,6 +719,13 @@ class MemoryModel:
         return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._param_bytes)]
 
     def _param_bytes(self, param: fx.Node) -> Callable[[Strategy], int]:
-        """The device bytes of ``param`` held under a strategy (0 offloaded)."""
+        """The bytes of ``param`` held under a strategy that :meth:`Item.linear` subtracts: on
+        the device (0 offloaded) where an offloaded parameter is copied onto it; where it is
+        not (host memory is the device's), its shard, which a reader in the parameter's own
+        layout reads in place."""
         shape, dtype = node_info(param).outputs[0]
-        return _on_device(lambda s: _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape))
+
+        def held(s):
+            return _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape)
+
+        return _on_device(held) if self.copies_offloaded else held
