@@ -330,17 +330,22 @@ def no_checkpoint(chain: Chain) -> Schedule:
 
 
 def checkpoint_every_stage(chain: Chain) -> Schedule:
-    """Each stage its own region: only stage inputs are kept through the forward."""
-    return _schedule(chain, [Region(i, i + 1) for i in range(len(chain))])
+    """Each stage but the last its own region: only stage inputs are kept through the forward.
+    The last stage's backward runs first, right after its forward: recomputing it frees
+    nothing that is not needed at once, and costs a second copy of what it returns (a
+    language model's recomputed logits beside the caller's); the DP never recomputes it
+    either (a region ends before the stage that follows it)."""
+    return _schedule(chain, [Region(i, i + 1) for i in range(len(chain) - 1)])
 
 
 def selective_every_stage(chain: Chain) -> Schedule:
-    """Every stage run selectively (``checkpointing="selective"``).
+    """Every stage but the last run selectively (``checkpointing="selective"``; the last as in
+    :func:`checkpoint_every_stage`).
 
     Raises:
         ValueError: ``chain`` has no ``sel`` (its stages cannot run selectively).
     """
-    return _schedule(chain, [Region(i, i + 1, selective=True) for i in range(len(chain))])
+    return _schedule(chain, [Region(i, i + 1, selective=True) for i in range(len(chain) - 1)])
 
 
 def chen_sqrt(chain: Chain) -> Schedule:
