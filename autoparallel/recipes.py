@@ -544,7 +544,7 @@ def resident_floor(memory, strategies) -> int:
     each at its smallest size over its owner's strategies. A lower bound of every plan's peak."""
     last = memory.steps - 1
     return sum(min(it.size(s) for s in strategies[it.owner]) for it in memory.items
-               if it.start == 0 and it.end == last and it.param is None and strategies.get(it.owner))
+               if it.start == 0 and it.end == last and it.source is None and strategies.get(it.owner))
 
 
 def baselines(rows: list[Row]) -> dict[str, dict]:

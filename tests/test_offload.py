@@ -129,14 +129,14 @@ def test_offloaded_weight_copied_onto_a_gpu_read_in_place_on_a_cpu():
 
     def copies(cost_model):
         model = MemoryModel(traced.gm, gen.aliases, (2,), traced_on=traced.device, cost_model=cost_model)
-        items = [it for it in model.items if it.param is w]
+        items = [it for it in model.items if it.source == (w, 0)]
         assert len(items) == 2  # the copy from the forward to the backward, its gradient in the backward
         out = []
         for reader in (in_place, gathered):
             choice = {w: held, mm: reader}
             out.append([it.bytes(choice) for it in items])
             for it in items:
-                assert sum(size(choice[node]) for node, size in it.linear(model._param_bytes)) <= it.bytes(choice)
+                assert sum(size(choice[node]) for node, size in it.linear(model._held_bytes)) <= it.bytes(choice)
         return out
 
     gpu_like = autoparallel.CostModel(DevicePreset(**{**PRESETS["cpu"].__dict__, "name": "gpu-like"}))

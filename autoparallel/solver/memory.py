@@ -175,16 +175,18 @@ class Item:
     """One tensor of the step: live on steps ``start..end`` (inclusive), of kind ``kind``,
     sized by ``size(strategy of owner)`` in bytes per device.
 
-    With ``param`` set, a parameter that ``owner`` uses as its input ``input_pos`` (an
-    all-gathered weight autograd keeps, or its gradient): it exists only when the owner's
-    input spec is not a local slice of the parameter's (:func:`is_copy`) or the parameter is
-    offloaded to host memory and ``copies_offloaded`` (its device copy; none where host memory
-    is the device's, on a CPU). With ``producer`` set (``(node, output
+    With ``source`` set, the node whose output ``owner`` takes as its input ``input_pos``, a
+    copy of which ``owner`` keeps: a parameter or a view of one (an all-gathered weight autograd
+    keeps, or its gradient), or a value another op saves too, read here in another layout (a
+    redistributed activation): it exists only when the owner's input spec is not a local
+    slice of the source's (:func:`is_copy`) or the source is a parameter offloaded to host
+    memory and ``copies_offloaded`` (its device copy; none where host memory is the device's,
+    on a CPU). With ``producer`` set (``(node, output
     index)``), the gradient of that value on its way back from the layout ``owner`` takes it in
     as input ``input_pos`` to the producer's: it exists only when the two layouts differ, sized
     by ``passing(held, seen)`` (``size``: the bytes in the owner's layout). Either way its exact
     size depends on two strategies (:meth:`bytes`). The ILP rows take a lower bound
-    (:meth:`linear`): for a parameter ``size(owner) - bytes of the parameter``, exact for FSDP's
+    (:meth:`linear`): for a source ``size(owner) - bytes of the source``, exact for FSDP's
     gather up to the shard itself, and 0 or less when the owner reads it as held; for a gradient
     on its way back, 0 (its difference bound is negative under most strategy pairs, and summed
     over a row it weakens the floor that ends a hopeless memory search at once: DeepSeek-V3 on
@@ -197,7 +199,7 @@ class Item:
     size: Callable[[Strategy], int]
     forward_value: bool = False  # a forward output living until its last forward use
     value: fx.Node | None = None  # for a saved activation, the node whose output it is
-    param: fx.Node | None = None
+    source: tuple[fx.Node, int] | None = None
     producer: tuple[fx.Node, int] | None = None
     passing: Callable[[Spec, Spec], int] | None = None
     input_pos: int = 0
@@ -205,32 +207,32 @@ class Item:
 
     @property
     def held_by(self) -> fx.Node | None:
-        """The other node whose strategy the size depends on (``param`` or ``producer``'s)."""
-        return self.param if self.param is not None else self.producer[0] if self.producer else None
+        """The other node whose strategy the size depends on (``source`` or ``producer``'s)."""
+        return self.source[0] if self.source is not None else self.producer[0] if self.producer else None
 
     def bytes(self, choice: dict[fx.Node, Strategy]) -> int:
         """Bytes per device under ``choice`` (node → strategy)."""
         s = choice[self.owner]
         seen = s.inputs[self.input_pos] if self.held_by is not None else None
-        if self.param is not None:
-            held = choice[self.param]
-            if not (held.offload and self.copies_offloaded) and not is_copy(held.outputs[0], seen):
+        if self.source is not None:
+            held = choice[self.source[0]]
+            if not (held.offload and self.copies_offloaded) and not is_copy(held.outputs[self.source[1]], seen):
                 return 0
         elif self.producer is not None:
             held = choice[self.producer[0]].outputs[self.producer[1]]
             return 0 if held == seen else self.passing(held, seen)
         return self.size(s)
 
-    def linear(self, param_bytes) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
+    def linear(self, held_bytes) -> list[tuple[fx.Node, Callable[[Strategy], int]]]:
         """``(node, size function)`` terms whose sum is a lower bound of the item's size for
-        the ILP, each linear in one node's strategy (``param_bytes``: a parameter node → its
-        size function)."""
+        the ILP, each linear in one node's strategy (``held_bytes``: a source node → the size
+        function of what it holds)."""
         if self.producer is not None:
             return []
-        if self.param is None:
+        if self.source is None:
             return [(self.owner, self.size)]
-        held = param_bytes(self.param)
-        return [(self.owner, self.size), (self.param, lambda s: -held(s))]
+        held = held_bytes(self.source)
+        return [(self.owner, self.size), (self.source[0], lambda s: -held(s))]
 
 
 def is_copy(held: Spec, seen: Spec) -> bool:
@@ -536,7 +538,7 @@ class MemoryModel:
             key = rec.value if rec.value is not None else id(rec)
             if key not in first_saver or step[rec.saver] < step[first_saver[key].saver]:
                 first_saver[key] = rec
-        for rec in first_saver.values():
+        for rec in saved:
             n = rec.saver
             start, end = step[n], back - step[n]
             if rec.value is None:
@@ -546,12 +548,16 @@ class MemoryModel:
                     items.append(Item("temporaries", n, end, end, rewrites.gradient_size(n, size)))
                 continue
             u, i = rec.value
+            x = tensor_inputs(n)[rec.input_pos][1] if rec.input_pos is not None else None
             if u.op == "get_attr":  # the parameter itself; its gathered copy when the saver sees one
-                if rec.input_pos is not None and tensor_inputs(n)[rec.input_pos][1] is u:
-                    items += self._gathered_items(n, u, rec.input_pos, start, end)
+                if x is not None:
+                    items += self._gathered_items(n, aliases.get(x, (x, 0)), rec.input_pos, start, end)
                 continue
-            if rec.input_pos is not None:
-                x = tensor_inputs(n)[rec.input_pos][1]
+            if first_saver[rec.value] is not rec:  # saved already; a copy when read in another layout
+                if x is not None:
+                    items.append(self._copy_item(n, x, aliases.get(x, (x, 0)), rec.input_pos, start, end))
+                continue
+            if x is not None:
                 shape, dtype = node_info(x).outputs[0]
                 size = lambda s, sh=shape, dt=dtype, j=rec.input_pos: _local_bytes(sh, dt, s.inputs[j], self.mesh_shape)
                 if u.op == "placeholder":  # the caller's batch (an ``inputs`` item) unless redistributed
@@ -588,21 +594,38 @@ class MemoryModel:
 
         return bucket
 
-    def _gathered_items(self, saver: fx.Node, param: fx.Node, j: int, start: int, end: int) -> list[Item]:
-        """A parameter that ``saver`` takes as input ``j`` in a layout the parameter is not held
-        in (FSDP's all-gathered weight): autograd keeps that copy from the saver's forward to
-        its backward (kind ``gathered``), and the saver's backward makes its gradient in that
-        layout before it is reduced to the parameter's (one step, kind ``gathered``)."""
-        shape, dtype = node_info(param).outputs[0]
+    def _gathered_items(self, saver: fx.Node, source: tuple[fx.Node, int], j: int, start: int,
+                        end: int) -> list[Item]:
+        """A parameter, or a view of one (``source``, node and output index: a part of a fused
+        weight), that ``saver`` takes as input ``j`` in a layout it is not held in (FSDP's
+        all-gathered weight): autograd keeps that copy from the saver's forward to its backward
+        (kind ``gathered``), and the saver's backward makes its gradient in that layout before
+        it is reduced to the parameter's (one step, kind ``gathered``)."""
+        shape, dtype = node_info(source[0]).outputs[source[1]]
 
         def size(s):
             return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
 
         copies = self.copies_offloaded
-        items = [Item("gathered", saver, start, end, size, param=param, input_pos=j, copies_offloaded=copies)]
-        if node_info(param).requires_grad:
-            items.append(Item("gathered", saver, end, end, size, param=param, input_pos=j, copies_offloaded=copies))
+        items = [Item("gathered", saver, start, end, size, source=source, input_pos=j, copies_offloaded=copies)]
+        if node_info(source[0]).requires_grad:
+            items.append(Item("gathered", saver, end, end, size, source=source, input_pos=j, copies_offloaded=copies))
         return items
+
+    def _copy_item(self, saver: fx.Node, x: fx.Node, source: tuple[fx.Node, int], j: int, start: int,
+                   end: int) -> Item:
+        """A value another op saves too, that ``saver`` takes as input ``j`` (``x``; ``source``,
+        the node and output index holding it: the value or a view of it) in another layout (a row-parallel matmul's
+        input all-gathered from the attention's output split by batch): autograd keeps that
+        redistributed copy from the saver's forward to its backward; none when ``saver`` reads
+        the layout held."""
+        shape, dtype = node_info(source[0]).outputs[source[1]]
+
+        def size(s):
+            return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
+
+        return Item("activations", saver, start, end, rewrites.saved_size(saver, x, shape, size), source=source,
+                    input_pos=j)
 
     def _consumer_gradient_items(self, aliases, step: dict[fx.Node, int], back: int) -> list[Item]:
         """The gradient of an activation on its way back from the layout a consumer takes it in
@@ -716,16 +739,17 @@ class MemoryModel:
         """The memory at step ``t`` as ``(node, size function)`` terms, each linear in one
         node's strategy choice: the items live at ``t`` (:meth:`Item.linear`; a lower bound
         of :meth:`timeline`'s value where a gathered parameter is live)."""
-        return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._param_bytes)]
+        return [term for it in self.items if it.start <= t <= it.end for term in it.linear(self._held_bytes)]
 
-    def _param_bytes(self, param: fx.Node) -> Callable[[Strategy], int]:
-        """The bytes of ``param`` held under a strategy that :meth:`Item.linear` subtracts: on
-        the device (0 offloaded) where an offloaded parameter is copied onto it; where it is
-        not (host memory is the device's), its shard, which a reader in the parameter's own
-        layout reads in place."""
-        shape, dtype = node_info(param).outputs[0]
+    def _held_bytes(self, source: tuple[fx.Node, int]) -> Callable[[Strategy], int]:
+        """The bytes of ``source`` (node, output index) held under a strategy that
+        :meth:`Item.linear` subtracts: on the device (0 offloaded) where an offloaded parameter
+        is copied onto it; where it is not (host memory is the device's), its shard, which a
+        reader in the parameter's own layout reads in place."""
+        node, k = source
+        shape, dtype = node_info(node).outputs[k]
 
         def held(s):
-            return _local_bytes(shape, dtype, s.outputs[0], self.mesh_shape)
+            return _local_bytes(shape, dtype, s.outputs[k], self.mesh_shape)
 
         return _on_device(held) if self.copies_offloaded else held

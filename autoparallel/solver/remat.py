@@ -41,10 +41,10 @@ def chain_stages(nodes: list[fx.Node], per_layer: bool = False) -> dict[fx.Node,
     ``ln_1``, ``attn``, ``ln_2``, ``mlp``; ops of the layer itself, such as residual adds,
     join the run before them), so that recomputation can be chosen per sub-layer (one level
     deeper, e.g. ``mlp.act``, measured worse on GPT-2: 24.4 % vs 22.3 % recompute at a 50 %
-    budget, more rounding over 60 stages); a last stage after the last layer. Empty when
-    the model has fewer than two repeated layers or they do not run in order. With
-    ``per_layer``, or when that makes more than :data:`MAX_SUB_BLOCK_STAGES` stages, one stage
-    per layer."""
+    budget, more rounding over 60 stages), those a value crosses into together then joined
+    (:func:`_joined`); a last stage after the last layer. Empty when the model has fewer than
+    two repeated layers or they do not run in order. With ``per_layer``, or when that makes
+    more than :data:`MAX_SUB_BLOCK_STAGES` stages, one stage per layer."""
     ops = [n for n in nodes if n.op == "call_function"]
     lists = layers_of(ops)
     if not lists:
@@ -55,6 +55,7 @@ def chain_stages(nodes: list[fx.Node], per_layer: bool = False) -> dict[fx.Node,
     index = {n: i for i, members in layers.items() for n in members}
     last = max(i for i, n in enumerate(ops) if n in index)
     stages: dict[fx.Node, int] = {}
+    layer_of: dict[int, int] = {}  # stage -> its layer (none for the stages before and after the layers)
     current, layer, child = 0, None, None
     for i, n in enumerate(ops):
         if i > last:
@@ -69,10 +70,33 @@ def chain_stages(nodes: list[fx.Node], per_layer: bool = False) -> dict[fx.Node,
             if index[n] != layer or (sub is not None and sub != child):
                 current += 1
                 layer, child = index[n], sub
+            layer_of[current] = layer
         stages[n] = current
-    if current + 1 > MAX_SUB_BLOCK_STAGES and not per_layer:
+    stages = _joined(stages, layer_of)
+    if max(stages.values()) + 1 > MAX_SUB_BLOCK_STAGES and not per_layer:
         return chain_stages(nodes, per_layer=True)
     return stages
+
+
+def _joined(stages: dict[fx.Node, int], layer_of: dict[int, int]) -> dict[fx.Node, int]:
+    """``stages`` renumbered with the stages of one layer that a value crosses into together
+    (produced before them, read in the last) joined into one: the residual stream read by a
+    layer's norm and again by its residual add. Rotor's chain has one input per stage
+    boundary, so a value crossing two kept boundaries was counted at each, though held once:
+    GPT-2's and Llama's checkpointed rows of ``benchmarks/memory.py --processes`` were modelled
+    15 to 20 % over, a ViT's (whose residual crosses three) 37 to 40 %. Values that cross into
+    several layers (rotary tables, masks made before the first layer) join nothing."""
+    joins: set[int] = set()  # stages that join the one before
+    for n, a in stages.items():
+        last = max((stages[u] for u in n.users if u in stages), default=a)
+        crossed = range(a + 1, last + 1)
+        if len(crossed) > 1 and a + 1 in layer_of and {layer_of.get(k) for k in crossed} == {layer_of[a + 1]}:
+            joins.update(crossed[1:])
+    number, current = {}, -1
+    for k in sorted(set(stages.values())):
+        current += k not in joins
+        number[k] = current
+    return {n: number[k] for n, k in stages.items()}
 
 
 def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan, forward_s: dict[str, float],
