@@ -12,6 +12,7 @@ from autoparallel.errors import InfeasiblePlanError
 from autoparallel.solver.memory import OPTIMIZER_STATES, MemoryModel, parse_bytes
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.tracer import ColoTracer
+from autoparallel.tracer.annotate import node_info
 from models import CNN, MLP, batch_for, hf_model, to_meta, whole
 
 
@@ -315,3 +316,51 @@ def test_gradient_counted_at_every_layout_on_its_way_back():
 
     assert passing(autoparallel.CostModel()) == (whole // 2, 0)
     assert passing(_AllReduceOnly()) == (whole, 0)
+
+
+def test_value_saved_again_in_another_layout_is_a_copy():
+    """A value two ops save, the second reading it in another layout (a matmul taking the whole
+    of an activation split by rows), holds a redistributed copy beside the first one's: an item
+    of the whole value under that read, none when the second reads the layout held (the
+    attention output all-gathered for a row-parallel projection was missing from checkpointed
+    steps, ``docs/design.md``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    class TwoLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(64, 64))
+            self.w2 = torch.nn.Parameter(torch.randn(64, 32))
+
+        def forward(self, x):
+            return (torch.relu(x @ self.w1) @ self.w2).sum()
+
+    traced = ColoTracer().trace(TwoLinear(), (torch.empty(128, 64, device="meta"),))
+    gen = StrategyGenerator((2,))
+    strategies = gen.generate(traced.gm)
+    relu = next(n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    mm = next(n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.matmul.default and relu in n.args)
+    model = MemoryModel(traced.gm, gen.aliases, (2,), traced_on=traced.device)
+    (copy_item,) = [it for it in model.items if it.owner is mm and it.source == (relu, 0)]
+    rows = next(s for s in strategies[relu] if s.outputs[0] == (Shard(0),))
+    whole = next(s for s in strategies[mm] if s.inputs[0] == (Replicate(),))
+    split = next(s for s in strategies[mm] if s.inputs[0] == (Shard(0),))
+    assert copy_item.bytes({relu: rows, mm: whole}) == 128 * 64 * 4
+    assert copy_item.bytes({relu: rows, mm: split}) == 0
+
+
+def test_a_layers_stages_joined_where_the_residual_crosses():
+    """GPT-2's layer is two chain stages, not four: its norms join the attention and the MLP
+    after them, since the residual stream crosses into both (as two stages' inputs it was
+    counted twice); a value read by every layer joins nothing."""
+    from autoparallel.solver.remat import chain_stages
+
+    traced = ColoTracer().trace(hf_model("gpt2", layers=3), to_meta(batch_for("gpt2", 0, batch=2, seq=16)))
+    stages = chain_stages([n for n in traced.gm.graph.nodes if n.op != "output"])
+    assert max(stages.values()) + 1 == 1 + 2 * 3 + 1
+    by_module = {}
+    for n, s in stages.items():
+        by_module.setdefault(node_info(n).module_path, set()).add(s)
+    assert by_module["transformer.h.1.ln_1"] == by_module["transformer.h.1.attn.c_attn"]
+    assert by_module["transformer.h.1.ln_2"] == by_module["transformer.h.1.mlp.c_fc"]
+    assert by_module["transformer.h.1.attn.c_attn"] != by_module["transformer.h.1.mlp.c_fc"]
