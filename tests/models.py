@@ -52,6 +52,19 @@ class MLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class TwoLinear(torch.nn.Module):
+    """``(relu(x @ w1) @ w2).sum()``, x (N, 64): the second matmul keeps its weight (for its
+    input's gradient) and its input, which the relu saves too."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64))
+        self.w2 = torch.nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        return (torch.relu(x @ self.w1) @ self.w2).sum()
+
+
 class CNN(torch.nn.Module):
     """Convolutions (plain, depthwise, pointwise), pooling, adaptive pooling, flatten,
     LayerNorm over channels and GELU/SiLU/ReLU: the vision building blocks."""

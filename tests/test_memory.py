@@ -13,7 +13,7 @@ from autoparallel.solver.memory import OPTIMIZER_STATES, MemoryModel, parse_byte
 from autoparallel.strategies import StrategyGenerator
 from autoparallel.tracer import ColoTracer
 from autoparallel.tracer.annotate import node_info
-from models import CNN, MLP, batch_for, hf_model, to_meta, whole
+from models import CNN, MLP, TwoLinear, batch_for, hf_model, to_meta, whole
 
 
 def _measured_peak(model, batch) -> int:
@@ -325,15 +325,6 @@ def test_value_saved_again_in_another_layout_is_a_copy():
     attention output all-gathered for a row-parallel projection was missing from checkpointed
     steps, ``docs/design.md``)."""
     from torch.distributed.tensor import Replicate, Shard
-
-    class TwoLinear(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = torch.nn.Parameter(torch.randn(64, 64))
-            self.w2 = torch.nn.Parameter(torch.randn(64, 32))
-
-        def forward(self, x):
-            return (torch.relu(x @ self.w1) @ self.w2).sum()
 
     traced = ColoTracer().trace(TwoLinear(), (torch.empty(128, 64, device="meta"),))
     gen = StrategyGenerator((2,))

@@ -14,7 +14,7 @@ from autoparallel.plan import Plan
 from autoparallel.solver.costs import PRESETS, DevicePreset
 from autoparallel.strategies.offload import offload_ok
 from autoparallel.placement import R, Shard
-from models import batch_for, hf_model, to_meta
+from models import TwoLinear, batch_for, hf_model, to_meta
 from test_parity import train_side_by_side
 
 KW = dict(cache_dir=False, cost_model=autoparallel.CostModel("cpu"))
@@ -108,19 +108,10 @@ def test_offloaded_weight_copied_onto_a_gpu_read_in_place_on_a_cpu():
     from autoparallel.strategies.offload import with_offload
     from autoparallel.tracer import ColoTracer
 
-    class TwoLinear(torch.nn.Module):  # the second matmul keeps its weight for its input's gradient
-        def __init__(self):
-            super().__init__()
-            self.w1 = torch.nn.Parameter(torch.randn(64, 64))
-            self.w = torch.nn.Parameter(torch.randn(64, 32))
-
-        def forward(self, x):
-            return (torch.relu(x @ self.w1) @ self.w).sum()
-
     traced = ColoTracer().trace(TwoLinear(), (torch.empty(128, 64, device="meta"),))
     gen = StrategyGenerator((2,))
     strategies = with_offload(gen.generate(traced.gm), (2,))
-    w = next(n for n in traced.gm.graph.nodes if n.op == "get_attr" and n.target == "w")
+    w = next(n for n in traced.gm.graph.nodes if n.op == "get_attr" and n.target == "w2")
     mm = next(n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.matmul.default and w in n.args)
     held = next(s for s in strategies[w] if s.offload and s.outputs[0] == (Shard(1),))
     in_place = next(s for s in strategies[mm] if s.inputs[1] == (Shard(1),))
