@@ -615,10 +615,10 @@ class MemoryModel:
     def _copy_item(self, saver: fx.Node, x: fx.Node, source: tuple[fx.Node, int], j: int, start: int,
                    end: int) -> Item:
         """A value another op saves too, that ``saver`` takes as input ``j`` (``x``; ``source``,
-        the node and output index holding it: the value or a view of it) in another layout (a row-parallel matmul's
-        input all-gathered from the attention's output split by batch): autograd keeps that
-        redistributed copy from the saver's forward to its backward; none when ``saver`` reads
-        the layout held."""
+        the node and output index holding it: the value or a view of it) in another layout (a
+        row-parallel matmul's input all-gathered from the attention's output split by batch):
+        autograd keeps that redistributed copy from the saver's forward to its backward; none
+        when ``saver`` reads the layout held."""
         shape, dtype = node_info(source[0]).outputs[source[1]]
 
         def size(s):
