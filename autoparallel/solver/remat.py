@@ -112,7 +112,9 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
 
     Returns:
         ``(chain, fixed)``: per stage forward/backward seconds and input, saved and
-        transient bytes, and the parameter gradients each stage's backward allocates (those
+        transient bytes (in the backward, the most it holds at once beyond what the stage
+        saved, which it frees as it goes: a saved tensor once its saver's backward has run),
+        and the parameter gradients each stage's backward allocates (those
         of a parameter belong to the stage of its last use); for a selective run, the
         outputs of the stage's ops in
         :data:`~autoparallel.runtime_kernels.recompute.SAVED_TARGETS` that do not leave it
@@ -137,6 +139,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
     fixed = 0
     n_fwd = len(memory.nodes)
     transient: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * n_st)]  # fwd / bwd of each stage
+    saved_until: list[list[tuple[int, int]]] = [[] for _ in range(n_st)]  # (its saver's backward step, bytes)
     for it in memory.items:
         b = it.bytes(choice)
         if it.kind == "activations" or (it.kind == "gathered" and it.start < it.end):  # saved for the backward
@@ -145,6 +148,7 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 fixed += b
             elif it.value is None or stages.get(it.value, st) >= st:  # a stage's input is in x already
                 saved[st] += b
+                saved_until[st].append((it.end, b))
         elif it.kind == "gradients":  # allocated at the backward of the parameter's last use
             st = step_stage[2 * n_fwd - 1 - it.start]
             if st < 0:
@@ -169,17 +173,30 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                     sel[s0] += b
         else:
             transient[2 * stages[it.owner] + 1].append((it.start, it.end, b))
-    peaks = np.zeros(2 * n_st)
-    for k, items in enumerate(transient):  # the most live at once, not the sum
+    first_bwd = np.full(n_st, 2 * n_fwd)
+    for i, st in enumerate(step_stage):
+        if st >= 0:
+            first_bwd[st] = min(first_bwd[st], 2 * n_fwd - 1 - i)
+    for st in range(n_st):  # a saved tensor is freed once its saver's backward has run
+        transient[2 * st + 1] += [(first_bwd[st], e, b) for e, b in saved_until[st]]
+    peaks = _most_live(transient, 2 * n_fwd + 2)
+    chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
+                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2] - saved, grad=grad, sel=sel, sel_time=sel_time)
+    return chain, int(fixed)
+
+
+def _most_live(spans: list[list[tuple[int, int, int]]], steps: int) -> np.ndarray:
+    """Per list of ``(first step, last step, bytes)`` tensors, the most bytes live at one step
+    of ``range(steps)``."""
+    peaks = np.zeros(len(spans))
+    for k, items in enumerate(spans):
         if items:
-            events = np.zeros(2 * n_fwd + 2)
+            events = np.zeros(steps)
             for a, e, b in items:
                 events[a] += b
                 events[e + 1] -= b
             peaks[k] = np.cumsum(events).max()
-    chain = Chain(fwd_time=fwd, bwd_time=bwd, x=x, xbar=x[:n_st] + saved,
-                  fwd_tmp=peaks[0::2], bwd_tmp=peaks[1::2], grad=grad, sel=sel, sel_time=sel_time)
-    return chain, int(fixed)
+    return peaks
 
 
 def _span_modules(stages: dict[fx.Node, int], r: Region) -> str:
