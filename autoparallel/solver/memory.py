@@ -21,9 +21,10 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * tensors an op saves that are not graph values (LayerNorm's mean and rstd, SDPA's
   logsumexp, dropout masks, cross-entropy's log-softmax), with the saver, once per storage
   (an op whose parts save one tensor twice holds it once), split like the input or output
-  they are derived from (same shape, reduced dims, or leading dims); a floating one also
-  has a gradient of its size at the saver's backward step (cross-entropy's backward holds the
-  gradients of the log-probabilities and of the logits at once);
+  they are derived from (same shape, reduced dims, or leading dims); a differentiable one
+  (computed from inputs that need a gradient) also has a gradient of its size at the saver's
+  backward step (cross-entropy's backward holds the gradients of the log-probabilities and of
+  the logits at once; SDPA's float copy of a boolean mask has none);
 * activation gradients, from the backward of the value's last consumer to the backward
   of its producer, under the value's spec; and, at the backward of a consumer that reads the
   value in another spec, the gradient in the largest spec the redistribution's backward
@@ -260,14 +261,15 @@ class Saved:
     """A tensor ``saver`` keeps for its backward: the graph value ``value`` (the
     ``(node, output)`` that owns its storage) seen as the saver's input ``input_pos``
     (``None``: not through an input), or, when ``value`` is None, an op-internal tensor
-    of ``nbytes`` global bytes and global shape ``shape`` (``floating``: of a floating dtype)."""
+    of ``nbytes`` global bytes and global shape ``shape`` (``differentiable``: floating and
+    computed from inputs that need a gradient, so the saver's backward makes its gradient)."""
 
     saver: fx.Node
     value: tuple[fx.Node, int] | None
     input_pos: int | None
     nbytes: int
     shape: tuple[int, ...] = ()
-    floating: bool = False
+    differentiable: bool = False
 
 
 def _aligned_operand(shape: tuple[int, ...], operands: list[tuple]) -> tuple[int, list[tuple[int, ...]]] | None:
@@ -319,8 +321,9 @@ def storage_owner(node: fx.Node, aliases) -> tuple[fx.Node, int]:
 def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list[tuple[str, int, int, tuple]]:
     """What ``node``'s op saves for backward, from running it alone on FakeTensors of
     ``device``, one entry per distinct storage: ``("input", j, 0, (), False)``, ``("output", i, 0,
-    (), False)`` or ``("internal", -1, storage bytes, shape, floating point)``. Memoized per (op, input shapes, dtypes and
-    grad flags, other arguments)."""
+    (), False)`` or ``("internal", -1, storage bytes, shape, differentiable)`` (floating and
+    requiring a gradient where saved). Memoized per (op, input shapes, dtypes and grad flags,
+    other arguments)."""
     ins = tensor_inputs(node)
     grads = [node_info(x).requires_grad and x.meta["val"].dtype.is_floating_point for _, x in ins]
     if not any(grads):
@@ -373,7 +376,8 @@ def _saved_by_op(node: fx.Node, device: str, traced_on: str, memo: dict) -> list
         elif st in out_st:
             result.append(("output", out_st.index(st), 0, (), False))
         else:
-            result.append(("internal", -1, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype.is_floating_point))
+            result.append(("internal", -1, t.untyped_storage().nbytes(), tuple(t.shape),
+                           t.dtype.is_floating_point and t.requires_grad))
     memo[key] = result
     return result
 
@@ -445,14 +449,14 @@ def saved_tensors(gm: fx.GraphModule, aliases, device: str = "cpu", traced_on: s
             entries = _fused_attention_saved(node)
         else:
             entries = _saved_by_op(node, kernels, traced_on, memo)
-        for kind, j, nbytes, shape, floating in entries:
+        for kind, j, nbytes, shape, differentiable in entries:
             if kind == "input":
                 records.append(Saved(node, storage_owner(ins[j][1], aliases), j, 0))
             elif kind == "output":
                 owner = storage_owner(node, aliases) if j == 0 else (node, j)
                 records.append(Saved(node, owner, None, 0))
             else:
-                records.append(Saved(node, None, None, nbytes, shape, floating))
+                records.append(Saved(node, None, None, nbytes, shape, differentiable))
     return records
 
 
@@ -544,7 +548,7 @@ class MemoryModel:
             if rec.value is None:
                 size = rewrites.saved_size(n, None, rec.shape, self._internal_size(n, rec.nbytes, rec.shape))
                 items.append(Item("activations", n, start, end, size))
-                if rec.floating and node_info(n).requires_grad:  # its gradient, inside the op's backward
+                if rec.differentiable and node_info(n).requires_grad:  # its gradient, inside the op's backward
                     items.append(Item("temporaries", n, end, end, rewrites.gradient_size(n, size)))
                 continue
             u, i = rec.value

@@ -165,8 +165,10 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
             fixed += b
         elif it.forward_value:
             s0, s1 = stages[it.owner], step_stage[min(it.end, n_fwd - 1)]
-            if s1 > s0:
-                x[s0 + 1:s1 + 1] += b  # crosses into every stage up to its last user
+            if s1 > s0 + 1:  # read by several later stages (a mask): held once, from before to after them
+                fixed += b
+            elif s1 > s0:
+                x[s1] += b
             else:
                 transient[2 * s0].append((it.start, it.end, b))
                 if it.owner.target in SAVED_TARGETS:  # a selective run keeps it
