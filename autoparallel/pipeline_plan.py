@@ -17,14 +17,19 @@ from dataclasses import dataclass
 from .jsonfields import _check, _fields, _is_count, _is_number
 from .mesh import MeshSpec
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 """The schedules of ``torch.distributed.pipelining`` a pipelined module runs, by the names
-``torch.distributed.pipelining.schedules.get_schedule_class`` takes. The last two hold several
+``torch.distributed.pipelining.schedules.get_schedule_class`` takes. The last three hold several
 stages per device (``stages_per_rank``), stage ``s`` on the device of pipeline rank
-``s % pp``. The zero-bubble schedules split each backward into its input and weight halves,
-which the gradient buckets of the emitted graphs do not follow; they are not offered."""
+``s % pp``. The V-shaped zero-bubble schedules (``ZBVZeroBubble``, ``DualPipeV``) place stages
+``r`` and ``2·pp − 1 − r`` on rank ``r``, which the stages' placement here does not; they are
+not offered."""
 
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+
+ZERO_BUBBLE = ("InterleavedZeroBubble",)
+"""Schedules that split each backward into its input and weight halves, running the weights'
+later to fill the bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)."""
 
 CHECKPOINTING = ("off", "selective", "full", "auto")
 """A stage's activation checkpointing: none, each layer run selectively (its matmul and

@@ -4,7 +4,8 @@ the step equal the single-device model's (each rank checks the parameters its st
 GPT-2 (embedding tied to the head, held by the first and last stage) and Llama, every schedule,
 on (pp=2) x (dp=2) and pp=4, with parameters replicated or sharded within the stage and layers
 recomputed within it (in every stage, in the one stage the budget needs it in, or in one of
-the two stages a device runs and holds together);
+the two stages a device runs and holds together), the zero-bubble schedule's weight backwards
+apart from its input backwards (gradients reduced after the step);
 ``clip_grad_norm_`` clips by the whole model's norm; ``torch.distributed.checkpoint`` saves
 and loads every stage's parameters; and ``step()`` without gradients in eval mode evaluates as
 one device in eval mode does (with dropout too)."""
@@ -171,6 +172,9 @@ def _pp_dp(rank, folder):
     _case(mesh, "gpt2", "LoopedBFS", 4, shard=False)  # runs a stage's backwards last microbatch first
     _case(mesh, "llama", "1F1B", 2, shard=True)
     _case(mesh, "llama", "GPipe", 4, shard=False)
+    # the weights' backward apart from the inputs': the replicated gradients reduced after the step
+    _case(mesh, "gpt2", "InterleavedZeroBubble", 2, shard=False)
+    _case(mesh, "llama", "InterleavedZeroBubble", 2, shard=True)
 
 
 def _pp4(rank):

@@ -21,8 +21,12 @@ Gradients of parameters replicated within a stage are reduced once per step: the
 microbatches' backwards accumulate them unreduced but the one the schedule marks as the
 stage's last (:func:`gradient_sync`), as DDP's ``no_sync`` does for gradient accumulation;
 the last in the order the backwards run, which is not the forwards' order in every schedule
-(``ScheduleLoopedBFS`` runs a stage's backwards in reverse). The schedule divides the
-gradients by the number of microbatches, the loss being each microbatch's mean.
+(``ScheduleLoopedBFS`` runs a stage's backwards in reverse). Under a zero-bubble schedule
+(:data:`~autoparallel.pipeline_plan.ZERO_BUBBLE`), whose weight backwards take the parameters'
+gradients from ``torch.autograd.grad``, they are handed to autograd unreduced and all-reduced
+once the schedule's step is over (:func:`~autoparallel.runtime_kernels.grad_reduction.reduce_after_step`).
+The schedule divides the gradients by the number of microbatches, the loss being each
+microbatch's mean.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..errors import AutoParallelError, InputMismatchError, MeshMismatchError
 from ..fqn import get_attr
 from ..passes.stages import traced_stages
-from ..pipeline_plan import PipelinePlan
-from ..runtime_kernels.grad_reduction import gradient_sync
+from ..pipeline_plan import ZERO_BUBBLE, PipelinePlan
+from ..runtime_kernels.grad_reduction import AFTER_STEP, gradient_sync, reduce_after_step
 
 
 def stage_meshes(device_mesh: DeviceMesh, pipeline: PipelinePlan) -> tuple[DeviceMesh, int]:
@@ -107,12 +111,13 @@ class StageModule(nn.Module):
     reduces gradients only in the last microbatch's backward, and returns floating values
     that need no gradient (positions, masks) as leaves that take one, which the pipelining
     runtime expects of every floating activation it sends; the last stage returns the loss as
-    a one-element tensor."""
+    a one-element tensor. With ``own_outputs`` (a zero-bubble schedule, whose input backward
+    detaches the stage's outputs in place), activations that are views are copies of their own."""
 
-    def __init__(self, graph_module, coord: torch.Tensor, constants: list | None):
+    def __init__(self, graph_module, coord: torch.Tensor, constants: list | None, own_outputs: bool = False):
         super().__init__()
         self.graph_module = graph_module
-        self.coord, self.constants = coord, constants
+        self.coord, self.constants, self.own_outputs = coord, constants, own_outputs
 
     def forward(self, *args):
         if self.constants is not None:  # stage 0: the flat user inputs, tensors given, the rest as captured
@@ -121,7 +126,7 @@ class StageModule(nn.Module):
         with gradient_sync(None):  # reduced or not: decided in the backward, by _Stage
             out = self.graph_module(self.coord, *args)
         if isinstance(out, tuple):
-            return tuple(_sendable(o) for o in out)
+            return tuple(_sendable(o, self.own_outputs) for o in out)
         return out.reshape(1)  # the loss: the schedule concatenates the microbatches' outputs
 
 
@@ -130,19 +135,25 @@ _TENSOR = object()
 
 class _Stage(PipelineStage):
     """torch's ``PipelineStage`` whose backward reduces the gradients of parameters replicated
-    within the stage only when the schedule marks it as the stage's last (``last_backward``)."""
+    within the stage only when the schedule marks it as the stage's last (``last_backward``),
+    or, with ``after_step``, leaves them to :func:`reduce_after_step`."""
+
+    def __init__(self, *args, after_step: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after_step = after_step
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        with gradient_sync(last_backward):
+        with gradient_sync(AFTER_STEP if self.after_step else last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
-def _sendable(t: torch.Tensor) -> torch.Tensor:
+def _sendable(t: torch.Tensor, own: bool = False) -> torch.Tensor:
     """A stage output as point-to-point sends read it: dense (a view's own elements, not its
-    base's storage), and, when floating, requiring grad."""
+    base's storage), and, when floating, requiring grad; with ``own``, not a view."""
     if t.is_floating_point() and not t.requires_grad:
         t = t.detach().requires_grad_()
-    return t.contiguous()
+    t = t.contiguous()
+    return t.clone() if own and t._is_view() else t
 
 
 class PipelineRuntime:
@@ -166,10 +177,13 @@ class PipelineRuntime:
             if device_mesh.device_type != "cpu" else torch.device("cpu")
         constants = [_TENSOR if shape is not None else value for shape, value in input_meta]
         mine = pipeline.stages_of_rank(pp_rank)
-        self.modules = [StageModule(graphs[s], coord, constants if s == 0 else None) for s in mine]
+        zero_bubble = pipeline.schedule in ZERO_BUBBLE
+        self.modules = [StageModule(graphs[s], coord, constants if s == 0 else None, own_outputs=zero_bubble)
+                        for s in mine]
         io = stage_io(graphs, coord, input_meta, loss_dtype, fake)
         stages = [_Stage(m, s, pipeline.stages, device, input_args=io[s][0], output_args=io[s][1],
-                                group=self.group) for m, s in zip(self.modules, mine)]
+                         group=self.group, after_step=zero_bubble)
+                  for m, s in zip(self.modules, mine)]
         cls = get_schedule_class(pipeline.schedule)
         self.schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatches,
                             loss_fn=_loss_of_output, scale_grads=True)
@@ -200,6 +214,7 @@ class PipelineRuntime:
         else:
             run(target=target, losses=losses)
         if train:
+            reduce_after_step()
             self.tied.sum_grads()
         return self._loss(losses)
 
@@ -259,8 +274,9 @@ class _Meta:
 
 def _loss_of_output(output, target):
     """The schedule's loss function: the last stage returns the microbatch's loss already (as
-    a one-element tensor, :class:`StageModule`)."""
-    return output[0]
+    a one-element tensor, :class:`StageModule`), as a tensor of its own, not a view (a
+    zero-bubble schedule's input backward detaches it in place)."""
+    return output[0].clone()
 
 
 class _TiedParameters:

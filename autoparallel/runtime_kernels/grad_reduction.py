@@ -27,6 +27,13 @@ all-reduce a second copy. The parameters' ``.grad`` are views into the buffer (D
 (no ``.grad`` of the last step left, no view of it kept by the caller), else that backward
 reduces in a fresh buffer, so a gradient the caller keeps is never overwritten.
 
+A backward run within ``gradient_sync(AFTER_STEP)`` (a zero-bubble pipeline schedule's, which
+computes the parameters' gradients apart from the inputs' with ``torch.autograd.grad`` on the
+parameters: torch's ``stage_backward_weight``) hands the unreduced gradients to autograd, which
+accumulates them into ``.grad``, and :func:`reduce_after_step` all-reduces them once the
+schedule's step is over: exact, the reduction being linear, but not overlapped with the
+backward.
+
 A sum returned whole (a loss: each device's summand all-reduced) is waited as late: see
 :func:`deferred_reduced_output`.
 """
@@ -63,17 +70,23 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
         p.grad._local_tensor.add_(local_grad)
 
 
-_SYNC: list[bool | None] = [True]  # whether the forward (or backward) now running reduces its gradients
+AFTER_STEP = "after_step"
+""":func:`gradient_sync`'s mode that leaves the reduction to :func:`reduce_after_step`."""
+
+_SYNC: list[bool | str | None] = [True]  # whether the forward (or backward) now running reduces its gradients
 _UNSYNCED = WeakIdKeyDictionary()  # parameter -> True while its .grad holds an unreduced partial sum
+_AFTER_STEP: dict[int, tuple] = {}  # id of a bucket's first parameter -> (groups, reduce dtype, parameters)
 
 
 @contextlib.contextmanager
-def gradient_sync(enabled: bool | None):
+def gradient_sync(enabled: bool | str | None):
     """Within: the buckets of the forward that runs reduce their gradients (``enabled``) or
     accumulate them unreduced into ``.grad`` (DDP's ``no_sync``); a later reducing backward
     adds the accumulated partial sums into its all-reduce. ``None``: the backward decides,
     by the ``gradient_sync`` it runs within (reducing outside any): a pipeline schedule knows
-    which backward of a stage is its last, not which forward's backward runs last."""
+    which backward of a stage is its last, not which forward's backward runs last.
+    :data:`AFTER_STEP` (in a backward): the unreduced gradients go to autograd as the
+    parameters' gradients, reduced by :func:`reduce_after_step`."""
     _SYNC.append(enabled)
     try:
         yield
@@ -102,6 +115,9 @@ class _BucketReduction(torch.autograd.Function):
     def backward(ctx, *grads):
         params = ctx.params
         sync = ctx.sync if ctx.sync is not None else _SYNC[-1]  # None in the forward: the backward's choice
+        if sync == AFTER_STEP:
+            _AFTER_STEP[id(params[0])] = (ctx.groups, ctx.reduce_dtype, params)
+            return (None, None, *(_as_grad_of(p, g) for p, g in zip(params, grads)))
         if sync is False:  # no_sync: this device's partial sums, reduced by a later backward
             for p, g in zip(params, grads):
                 _add_grad(p, g)
@@ -128,6 +144,33 @@ class _BucketReduction(torch.autograd.Function):
 
         torch.autograd.Variable._execution_engine.queue_callback(finish)
         return (None,) * (2 + len(params))
+
+
+def _as_grad_of(p: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
+    """``local_grad`` as autograd takes a gradient of parameter ``p``: a DTensor of ``p``'s
+    placements (unreduced: :func:`reduce_after_step` sums it) when ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return local_grad
+    return DTensor.from_local(local_grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def reduce_after_step() -> None:
+    """All-reduce (sum) the gradients that backwards within ``gradient_sync(AFTER_STEP)`` left
+    unreduced in ``.grad``: per bucket, one flat buffer over the bucket's mesh axes (in its
+    reduce dtype), written back into each parameter's ``.grad``. A bucket whose parameters got
+    no gradient is skipped."""
+    buckets = list(_AFTER_STEP.values())
+    _AFTER_STEP.clear()
+    for groups, reduce_dtype, params in buckets:
+        locals_ = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
+        if any(g is None for g in locals_):
+            continue
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        flat = flat if reduce_dtype in (None, flat.dtype) else flat.to(reduce_dtype)
+        out = _c10d.wait_tensor(sum_over_axes(flat, groups)).to(locals_[0].dtype)
+        for g, piece in zip(locals_, torch.split(out, [g.numel() for g in locals_])):
+            g.copy_(piece.view(g.shape))
 
 
 def _world_group(groups: tuple[str, ...]) -> str | None:

@@ -53,10 +53,12 @@ stages and ``c`` the point-to-point sends of the boundary activations (forward) 
 gradients (backward) over the pipeline axis,
 ``step = (M + (p − 1) / v) · (t + v · c) + u`` where ``u`` is the slowest device's
 once-per-step work (optimizer step and the exposed part of its gradient reduction); the
-bubble fraction is ``((p − 1) / v) / (M + (p − 1) / v)``. Activations in flight per device:
+bubble fraction is ``((p − 1) / v) / (M + (p − 1) / v)``. A zero-bubble schedule keeps
+:data:`ZERO_BUBBLE_IDLE` of that idle time and pays its whole gradient reduction once per step
+(reduced after the schedule, not hidden in the backward). Activations in flight per device:
 GPipe and LoopedBFS all ``M``; 1F1B stage ``s`` ``min(p − s, M)``; Interleaved1F1B device
 ``r`` ``min(M·v, (v − 1)·p + 2·(p − 1 − r) + 1)`` chunks (torch's warm-up), each ``1/v`` of
-its stages' activations.
+its stages' activations, and so InterleavedZeroBubble (ZB-H1 keeps 1F1B's peak).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from ..errors import AutoParallelError, InfeasiblePlanError
 from ..graph import tensor_inputs
 from ..mesh import MeshSpec
 from ..options import PlanOptions
-from ..pipeline_plan import MULTI_STAGE, PipelinePlan, submesh
+from ..pipeline_plan import MULTI_STAGE, ZERO_BUBBLE, PipelinePlan, submesh
 from ..placement import local_shape
 from ..plan import CheckpointPlan, Plan
 from ..strategies.engine import Strategy
@@ -88,6 +90,12 @@ from .pricing import written_back_outputs
 from ..runtime_kernels.recompute import SAVED_TARGETS
 
 log = logging.getLogger("autoparallel")
+
+ZERO_BUBBLE_IDLE = 1 / 3
+"""A zero-bubble schedule's idle time as a share of the same interleaved 1F1B's: Qi et al.,
+"Zero Bubble Pipeline Parallelism" (ICLR 2024), §3.1: ZB-H1's bubble is ``(p − 1)(T_F + T_B − T_W)``
+against 1F1B's ``(p − 1)(T_F + T_B + T_W)``, 1/3 with the input and the weight halves of the
+backward each as long as the forward."""
 
 PP_AXIS = "pp"
 """The mesh axis name that always carries pipeline stages."""
@@ -114,6 +122,8 @@ class Pieces:
         micro_s: per microbatch: forward + backward compute, their communication and recomputation.
         comm_s / recompute_s: the communication and recomputation parts of ``micro_s``.
         step_s: once per step: the optimizer step and the exposed gradient reduction.
+        hidden_grad_s: once per step: the gradient reduction's part hidden behind the
+            backward, exposed under a zero-bubble schedule (which reduces after the step).
         state: bytes held all step: parameters, gradients, optimizer states.
         saved: bytes saved from forward to backward per microbatch in flight.
         transient: the largest bytes of temporaries live at once within the piece (with a
@@ -127,6 +137,7 @@ class Pieces:
     comm_s: np.ndarray
     recompute_s: np.ndarray
     step_s: np.ndarray
+    hidden_grad_s: np.ndarray
     state: np.ndarray
     saved: np.ndarray
     transient: np.ndarray
@@ -274,7 +285,8 @@ def aggregate(inner: Plan, traced, layers: str, num_layers: int, options: PlanOp
     micro += recompute
 
     state, saved, transient, cross, cross_grad = _memory(inner, traced, piece, P, options, region_piece, memory)
-    return Pieces(micro, comm, recompute, step, state, saved, transient, cross, cross_grad, tuple(region_piece))
+    return Pieces(micro, comm, recompute, step, (1 - exposed) * grad, state, saved, transient, cross, cross_grad,
+                  tuple(region_piece))
 
 
 def _choice(inner: Plan, gm) -> dict:
@@ -407,8 +419,10 @@ def step_model(schedule: str, pp: int, v: int, microbatches: int, rank_s: list[f
     chunks = microbatches * v + pp - 1
     busy = (min(k, pp, chunks + 1 - k) for k in range(1, chunks + 1))
     slots = sum(core_share / min(1.0, core_share * pp / n) for n in busy)
-    step = slots * max(rank_s) / v + (microbatches + fill) * v * p2p_s + max(update_s)
-    return step, fill / (microbatches + fill)
+    kept = ZERO_BUBBLE_IDLE if schedule in ZERO_BUBBLE else 1.0  # the share of the idle time left
+    t = max(rank_s)
+    step = (microbatches + kept * (slots / v - microbatches)) * t + (microbatches + fill) * v * p2p_s + max(update_s)
+    return step, kept * fill / (microbatches + kept * fill)
 
 
 class _Priced:
@@ -544,7 +558,9 @@ def price_schedule(priced: list[_Priced], pp: int, schedule: str, microbatches: 
     stage_s = [p.sum(p.p.micro_s, a, b) for p, a, b in stage]
     peaks = [int(peak(k, s, a, b)) for s, (k, (a, b)) in enumerate(zip(choice, spans))]
     rank_s = [sum(stage_s[r::pp]) for r in range(pp)]
-    update = [sum(p.sum(p.p.step_s, a, b) for p, a, b in stage[r::pp]) for r in range(pp)]
+    zero_bubble = schedule in ZERO_BUBBLE  # the gradients reduced after the step, not hidden in the backward
+    update = [sum(p.sum(p.p.step_s, a, b) + (p.sum(p.p.hidden_grad_s, a, b) if zero_bubble else 0.0)
+                  for p, a, b in stage[r::pp]) for r in range(pp)]
     p2p = max((priced[0].p2p(b) for b in boundaries[1:-1]), default=0.0)
     step, bubble = step_model(schedule, pp, v, microbatches, rank_s, p2p, update, core_share)
     if v > 1:
@@ -635,7 +651,7 @@ def _schedules(pp: int, num_layers: int, microbatches: int, options: PlanOptions
         return [options.schedule]
     out = ["1F1B", "GPipe"]
     if 2 * pp <= num_layers and microbatches % pp == 0:
-        out.append("Interleaved1F1B")
+        out += ["Interleaved1F1B", "InterleavedZeroBubble"]
     return out
 
 
