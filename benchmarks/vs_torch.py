@@ -71,6 +71,8 @@ Pipeline rows (``--pipeline``; world 4, GPT-2 of 8 layers, otherwise the sizes a
 
 * ``autoparallel``: ``autoparallelize(model, meta_inputs, device_mesh=mesh, schedule="1F1B",
   microbatches=M)``, trained with ``loss = model.step(**batch)``, every rank the global batch;
+* ``autoparallel ZB``: the same with ``schedule="InterleavedZeroBubble"`` (two stages per rank,
+  each backward split into its input and weight halves);
 * ``torch PP + DDP`` / ``torch PP``: the hand-written ``torch.distributed.pipelining`` recipe
   (torchtitan's way): the layers split evenly, each rank a deep copy of the model with the other
   stages' blocks deleted and the embeddings (but on the first stage) and final norm and head
@@ -611,6 +613,7 @@ def build_moe_variants(args, model_name, model, s, batch, device_type, rank, wor
 # --------------------------------------------------------------------------- pipeline rows
 
 PIPE_RECIPE = "torch PP"
+PIPE_ZB = "autoparallel ZB"
 PIPE_MESHES = {4: [((2, 2), ("pp", "dp")), ((4,), ("pp",))]}
 
 
@@ -753,19 +756,20 @@ def build_pipeline_variants(args, model_name, model, s, batch, device_type, rank
     for shape, names in PIPE_MESHES[world]:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         label = str(shape).replace(" ", "") + " " + ",".join(names)
-        options = dict(schedule=args.schedule, microbatches=args.microbatches)
-        v = autoparallel_variant(args, "autoparallel", model, batch, mesh, label, **options)
-        if v.module is not None:
-            pmodel = v.module
-            v.fwd_bwd = lambda pmodel=pmodel, b=batch: pmodel.step(**b)
-            v.pp_rank = mesh.get_local_rank("pp")
-            pl = pmodel.plan.pipeline
-            if pl is None:
-                v.na = "failed: the plan has no pipeline stages"
-                v.module = None
-            else:
-                v.est_parts["pipeline"] = pipeline_parts(pl)
-        yield v
+        for name, schedule in (("autoparallel", args.schedule), (PIPE_ZB, "InterleavedZeroBubble")):
+            v = autoparallel_variant(args, name, model, batch, mesh, label, schedule=schedule,
+                                     microbatches=args.microbatches)
+            if v.module is not None:
+                pmodel = v.module
+                v.fwd_bwd = lambda pmodel=pmodel, b=batch: pmodel.step(**b)
+                v.pp_rank = mesh.get_local_rank("pp")
+                pl = pmodel.plan.pipeline
+                if pl is None:
+                    v.na = "failed: the plan has no pipeline stages"
+                    v.module = None
+                else:
+                    v.est_parts["pipeline"] = pipeline_parts(pl)
+            yield v
         if model_name != "gpt2":
             yield Variant(PIPE_RECIPE, label, [label], na="the hand-written stage split is written for GPT-2 only")
             continue
@@ -1123,6 +1127,10 @@ def table(results: list[dict]) -> str:
                 checks.append(f"{res['model']} {cfg}: autoparallel / best recipe ({best['name']}) = {r:.2f}x "
                               f"(target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'})")
             pipe = next((v for n, v in by.items() if n.startswith(PIPE_RECIPE)), None)
+            if PIPE_ZB in by and pipe:
+                r = by[PIPE_ZB]["step_s"] / pipe["step_s"]
+                checks.append(f"{res['model']} {cfg}: {PIPE_ZB} / {pipe['name']} = {r:.2f}x "
+                              f"(target <= 1.0x: {'OK' if r <= 1.0 else 'MISSED'})")
             if "autoparallel" in by and pipe:
                 a, h = by["autoparallel"]["loss0"], pipe["loss0"]
                 same = abs(a - h) <= 1e-4 * abs(h) + 1e-5

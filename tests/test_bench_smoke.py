@@ -95,7 +95,8 @@ def test_memory_bound_quick_two_processes(tmp_path):
         assert "autoparallel measured device peak" in text
 
 
-PIPE_ROWS = {"(2,2) pp,dp": ["autoparallel", "torch PP + DDP"], "(4,) pp": ["autoparallel", "torch PP"]}
+PIPE_ROWS = {"(2,2) pp,dp": ["autoparallel", "autoparallel ZB", "torch PP + DDP"],
+             "(4,) pp": ["autoparallel", "autoparallel ZB", "torch PP"]}
 
 
 @pytest.mark.slow
@@ -103,7 +104,8 @@ PIPE_ROWS = {"(2,2) pp,dp": ["autoparallel", "torch PP + DDP"], "(4,) pp": ["aut
 @pytest.mark.timeout(600)
 def test_vs_torch_pipeline_quick_four_processes(tmp_path):
     """``benchmarks/vs_torch.py --pipeline --quick`` on 4 gloo processes, one round: on meshes
-    (2, 2) pp,dp and (4,) pp, autoparallel's pipeline (1F1B, 4 microbatches) and the hand-written
+    (2, 2) pp,dp and (4,) pp, autoparallel's pipeline (1F1B, 4 microbatches; and
+    InterleavedZeroBubble, two stages a rank) and the hand-written
     torch.distributed.pipelining recipe each have a step, the same step-0 loss as each other and
     as the eager model, autoparallel an estimate and its plan's stages, both a per-rank breakdown
     of the step (forward and backward chunks, p2p); the targets are printed. Timings are not
@@ -126,13 +128,17 @@ def test_vs_torch_pipeline_quick_four_processes(tmp_path):
             assert abs(v["loss0"] - job["ref_loss"]) <= 1e-4 * abs(job["ref_loss"]), (mesh, name, v["loss0"],
                                                                                     job["ref_loss"])
             assert v["estimate_parts"]["pipeline"]["microbatches"] == 4
-            assert v["estimate_parts"]["pipeline"]["schedule"] == "1F1B"
+            zb = name == "autoparallel ZB"
+            assert v["estimate_parts"]["pipeline"]["schedule"] == ("InterleavedZeroBubble" if zb else "1F1B")
             stages = v["estimate_parts"]["measured_stages"]  # per rank: pp coordinate, then seconds
             assert len(stages) == 4 and all(row[1] > 0 and row[2] > 0 and row[-1] > 0 for row in stages), stages
             assert sorted({int(row[0]) for row in stages}) == list(range(int(mesh[1])))
-        auto = rows["autoparallel"]
-        assert auto["estimate_s"] > 0 and len(auto["estimate_parts"]["pipeline"]["stage_s"]) == int(mesh[1])
-        assert f"{mesh} {names[1]}: layers split" in text
+        for name, per_rank in (("autoparallel", 1), ("autoparallel ZB", 2)):
+            auto = rows[name]
+            assert auto["estimate_s"] > 0 and len(auto["estimate_parts"]["pipeline"]["stage_s"]) == per_rank * int(mesh[1])
+        recipe = names[-1]
+        assert f"{mesh} {recipe}: layers split" in text
         assert f"mesh {mesh}: step-0 loss autoparallel" in text and "(the same)" in text
-        assert f"mesh {mesh}: autoparallel / best recipe ({names[1]})" in text
-        assert f"{mesh} {names[1]}: measured per rank and step" in text
+        assert f"mesh {mesh}: autoparallel / best recipe ({recipe})" in text
+        assert f"mesh {mesh}: autoparallel ZB / {recipe}" in text
+        assert f"{mesh} {recipe}: measured per rank and step" in text
