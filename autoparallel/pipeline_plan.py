@@ -29,7 +29,8 @@ MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 ZERO_BUBBLE = ("InterleavedZeroBubble",)
 """Schedules that split each backward into its input and weight halves, running the weights'
-later to fill the bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)."""
+later to fill the bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024); run when
+pinned, not chosen by the search (measured slower on CPU: docs/design.md)."""
 
 CHECKPOINTING = ("off", "selective", "full", "auto")
 """A stage's activation checkpointing: none, each layer run selectively (its matmul and
