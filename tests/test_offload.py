@@ -134,3 +134,50 @@ def test_offloaded_weight_copied_onto_a_gpu_read_in_place_on_a_cpu():
     assert not gpu_like.host_is_device and autoparallel.CostModel("cpu").host_is_device
     assert copies(gpu_like) == [[shard, shard], [whole, whole]]
     assert copies(autoparallel.CostModel("cpu")) == [[0, 0], [whole, whole]]
+
+
+class _FusedPair(torch.nn.Module):
+    """One weight read as two halves (``split``), as a fused QKV weight is."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        self.scale = torch.nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        a, b = self.w.split(32, dim=1)
+        h = x * self.scale
+        return h @ a + h @ b
+
+
+def test_offloaded_fused_weight_copied_onto_a_gpu_when_read_through_its_parts():
+    """An offloaded weight read through views of it (the halves of a split) is copied onto a GPU
+    for each reader as it is when read whole: the copies are counted though the views' own
+    strategies hold nothing in host memory (they were counted as read in place); on a CPU
+    none is."""
+    from autoparallel.solver.memory import MemoryModel
+    from autoparallel.strategies import StrategyGenerator
+    from autoparallel.strategies.offload import with_offload
+    from autoparallel.tracer import ColoTracer
+
+    traced = ColoTracer().trace(_FusedPair(), (torch.empty(128, 64, device="meta"),))
+    gen = StrategyGenerator((2,))
+    strategies = with_offload(gen.generate(traced.gm), (2,))
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    w, split = nodes["w"], nodes["split"]
+    choice = {n: strategies[n][0] for n in strategies}  # replicated everywhere ...
+    choice[w] = next(s for s in strategies[w] if s.offload and s.outputs[0] == (Shard(0),))  # ... but w
+    choice[split] = next(s for s in strategies[split] if s.inputs[0] == (Shard(0),))
+    for mm in ("matmul", "matmul_1"):  # each half read in place, as held (row-split)
+        choice[nodes[mm]] = next(s for s in strategies[nodes[mm]] if s.inputs[1] == (Shard(0),))
+    half = 32 * 32 * 4
+
+    def copies(cost_model):
+        model = MemoryModel(traced.gm, gen.aliases, (2,), traced_on=traced.device, cost_model=cost_model)
+        items = [it for it in model.items if it.source is not None and it.source[0] is split]
+        assert len(items) == 4  # per half: the copy kept for the backward, its gradient
+        return [it.bytes(choice) for it in items]
+
+    gpu_like = autoparallel.CostModel(DevicePreset(**{**PRESETS["cpu"].__dict__, "name": "gpu-like"}))
+    assert copies(gpu_like) == [half] * 4
+    assert copies(autoparallel.CostModel("cpu")) == [0] * 4

@@ -180,9 +180,9 @@ class Item:
     copy of which ``owner`` keeps: a parameter or a view of one (an all-gathered weight autograd
     keeps, or its gradient), or a value another op saves too, read here in another layout (a
     redistributed activation): it exists only when the owner's input spec is not a local
-    slice of the source's (:func:`is_copy`) or the source is a parameter offloaded to host
-    memory and ``copies_offloaded`` (its device copy; none where host memory is the device's,
-    on a CPU). With ``producer`` set (``(node, output
+    slice of the source's (:func:`is_copy`) or ``offloaded`` is set and its strategy keeps it
+    in host memory (the device copy of that parameter, which the source is or is a view of;
+    never set where host memory is the device's, on a CPU). With ``producer`` set (``(node, output
     index)``), the gradient of that value on its way back from the layout ``owner`` takes it in
     as input ``input_pos`` to the producer's: it exists only when the two layouts differ, sized
     by ``passing(held, seen)`` (``size``: the bytes in the owner's layout). Either way its exact
@@ -204,7 +204,7 @@ class Item:
     producer: tuple[fx.Node, int] | None = None
     passing: Callable[[Spec, Spec], int] | None = None
     input_pos: int = 0
-    copies_offloaded: bool = True
+    offloaded: fx.Node | None = None
 
     @property
     def held_by(self) -> fx.Node | None:
@@ -217,7 +217,8 @@ class Item:
         seen = s.inputs[self.input_pos] if self.held_by is not None else None
         if self.source is not None:
             held = choice[self.source[0]]
-            if not (held.offload and self.copies_offloaded) and not is_copy(held.outputs[self.source[1]], seen):
+            param = choice.get(self.offloaded) if self.offloaded is not None else None
+            if not (param is not None and param.offload) and not is_copy(held.outputs[self.source[1]], seen):
                 return 0
         elif self.producer is not None:
             held = choice[self.producer[0]].outputs[self.producer[1]]
@@ -555,7 +556,7 @@ class MemoryModel:
             x = tensor_inputs(n)[rec.input_pos][1] if rec.input_pos is not None else None
             if u.op == "get_attr":  # the parameter itself; its gathered copy when the saver sees one
                 if x is not None:
-                    items += self._gathered_items(n, aliases.get(x, (x, 0)), rec.input_pos, start, end)
+                    items += self._gathered_items(n, aliases.get(x, (x, 0)), u, rec.input_pos, start, end)
                 continue
             if first_saver[rec.value] is not rec:  # saved already; a copy when read in another layout
                 if x is not None:
@@ -598,11 +599,12 @@ class MemoryModel:
 
         return bucket
 
-    def _gathered_items(self, saver: fx.Node, source: tuple[fx.Node, int], j: int, start: int,
+    def _gathered_items(self, saver: fx.Node, source: tuple[fx.Node, int], param: fx.Node, j: int, start: int,
                         end: int) -> list[Item]:
-        """A parameter, or a view of one (``source``, node and output index: a part of a fused
-        weight), that ``saver`` takes as input ``j`` in a layout it is not held in (FSDP's
-        all-gathered weight): autograd keeps that copy from the saver's forward to its backward
+        """Parameter ``param``, or a view of it (``source``, node and output index: a part of a
+        fused weight), that ``saver`` takes as input ``j`` in a layout it is not held in (FSDP's
+        all-gathered weight), or, offloaded to host memory, in any layout where host memory is
+        not the device's: autograd keeps that copy from the saver's forward to its backward
         (kind ``gathered``), and the saver's backward makes its gradient in that layout before
         it is reduced to the parameter's (one step, kind ``gathered``)."""
         shape, dtype = node_info(source[0]).outputs[source[1]]
@@ -610,10 +612,10 @@ class MemoryModel:
         def size(s):
             return _local_bytes(shape, dtype, s.inputs[j], self.mesh_shape)
 
-        copies = self.copies_offloaded
-        items = [Item("gathered", saver, start, end, size, source=source, input_pos=j, copies_offloaded=copies)]
+        offloaded = param if self.copies_offloaded else None
+        items = [Item("gathered", saver, start, end, size, source=source, input_pos=j, offloaded=offloaded)]
         if node_info(source[0]).requires_grad:
-            items.append(Item("gathered", saver, end, end, size, source=source, input_pos=j, copies_offloaded=copies))
+            items.append(Item("gathered", saver, end, end, size, source=source, input_pos=j, offloaded=offloaded))
         return items
 
     def _copy_item(self, saver: fx.Node, x: fx.Node, source: tuple[fx.Node, int], j: int, start: int,
