@@ -120,7 +120,8 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
         :data:`~autoparallel.runtime_kernels.recompute.SAVED_TARGETS` that do not leave it
         (bytes) and the forward seconds of its other ops and of every collective;
         ``fixed``: bytes live throughout (parameters, optimizer states, inputs, values of
-        nodes outside the chain).
+        nodes outside the chain, values read by several later stages: a mask made before the
+        layers, counted once instead of at each stage it crosses into).
     """
     n_st = max(stages.values()) + 1
     step_stage = np.array([stages.get(n, -1) for n in memory.nodes])
