@@ -158,14 +158,16 @@ def _as_grad_of(p: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
 def reduce_after_step() -> None:
     """All-reduce (sum) the gradients that backwards within ``gradient_sync(AFTER_STEP)`` left
     unreduced in ``.grad``: per bucket, one flat buffer over the bucket's mesh axes (in its
-    reduce dtype), written back into each parameter's ``.grad``. A bucket whose parameters got
-    no gradient is skipped."""
+    reduce dtype), written back into each parameter's ``.grad`` (a zero gradient for a
+    parameter that got none, so that every device of the bucket's axes joins the same
+    collectives)."""
     buckets = list(_AFTER_STEP.values())
     _AFTER_STEP.clear()
     for groups, reduce_dtype, params in buckets:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         locals_ = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
-        if any(g is None for g in locals_):
-            continue
         flat = torch.cat([g.reshape(-1) for g in locals_])
         flat = flat if reduce_dtype in (None, flat.dtype) else flat.to(reduce_dtype)
         out = _c10d.wait_tensor(sum_over_axes(flat, groups)).to(locals_[0].dtype)
