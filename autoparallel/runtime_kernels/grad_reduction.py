@@ -64,8 +64,7 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
     if p.grad is None and local_grad.dtype == p.dtype:  # the parameter's spec: no autograd, 6 us instead of 45
         p.grad = DTensor(local_grad, p._spec, requires_grad=False)
     elif p.grad is None:
-        p.grad = DTensor.from_local(local_grad, p.device_mesh, p.placements, run_check=False,
-                                    shape=p.shape, stride=p.stride())
+        p.grad = _as_grad_of(p, local_grad)
     else:
         p.grad._local_tensor.add_(local_grad)
 
