@@ -153,6 +153,7 @@ class Config:
     memory_budget: Annotated[Union[int, float, str, None], _arg("memory_budget")] = _option("memory_budget")
     checkpointing: Annotated[Literal[CHECKPOINTING], _arg("checkpointing")] = _option("checkpointing")
     offload: Annotated[bool, _arg("offload")] = _option("offload")
+    zero: Annotated[bool, _arg("zero")] = _option("zero")
     pipeline: Annotated[Literal[PIPELINE], _arg("pipeline")] = _option("pipeline")
     microbatches: Annotated[Union[int, None], _arg("microbatches")] = _option("microbatches")
     schedule: Annotated[Union[Literal[SCHEDULES], None], _arg("schedule")] = _option("schedule")

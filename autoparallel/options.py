@@ -71,6 +71,11 @@ class PlanOptions:
         offload: when no plan fits ``memory_budget`` otherwise, let parameters sharded over
             every mesh axis be held in host memory with their gradients and optimizer states,
             stepped there (:mod:`autoparallel.strategies.offload`); ``False``: never.
+        zero: when the fastest plan does not fit ``memory_budget``, let parameters replicated
+            along mesh axes shard their optimizer states (and the shard the optimizer steps)
+            over those axes, all-gathered after each step (ZeRO stage 1,
+            :mod:`autoparallel.strategies.zero`); ``False``: never. Not offered to pipeline
+            stages.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'
@@ -128,6 +133,7 @@ class PlanOptions:
     replicate_buffers: bool = False
     inputs: str = "global"
     offload: bool = True
+    zero: bool = True
     pipeline: str = "off"
     microbatches: int | None = None
     schedule: str | None = None
@@ -171,14 +177,14 @@ class PlanOptions:
                "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
                "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
                "inputs": self.inputs, "checkpointing": self.checkpointing, "offload": self.offload,
-                "pipeline": self.pipeline, "microbatches": self.microbatches, "schedule": self.schedule}
+                "zero": self.zero, "pipeline": self.pipeline, "microbatches": self.microbatches, "schedule": self.schedule}
 
 
 def _check(o: PlanOptions) -> None:
     """The checks of :class:`PlanOptions` (raises as its docstring lists)."""
     if o.cost_model is not None and not isinstance(o.cost_model, CostModel):
         raise TypeError(f"cost_model must be an autoparallel.CostModel (or None for the default), not {o.cost_model!r}")
-    for name in ("strict", "share_layers", "stamp_layers", "baselines", "replicate_buffers", "offload"):
+    for name in ("strict", "share_layers", "stamp_layers", "baselines", "replicate_buffers", "offload", "zero"):
         if not isinstance(getattr(o, name), bool):
             raise TypeError(f"{name} must be True or False, not {getattr(o, name)!r}")
     if o.solver not in SOLVERS:

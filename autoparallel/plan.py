@@ -335,6 +335,10 @@ class Plan:
         offloaded: names of the parameters held in host memory with their gradients and
             optimizer states (:mod:`autoparallel.strategies.offload`); empty in plans saved
             without the field.
+        state_placements: parameter name → the spec of the shard the optimizer holds and steps,
+            for parameters whose optimizer states are sharded over axes that replicate them
+            for compute (ZeRO stage 1, :mod:`autoparallel.strategies.zero`; the module's
+            ``nn.Parameter`` is that shard); empty in plans saved without the field.
         pipeline: the pipeline stages (:class:`~autoparallel.pipeline_plan.PipelinePlan`), or
             ``None`` (also in plans saved without the field). When set, ``mesh`` is one stage's
             submesh and the graph planned is one microbatch's.
@@ -353,6 +357,7 @@ class Plan:
     inputs: str = "global"
     offloaded: tuple[str, ...] = ()
     pipeline: PipelinePlan | None = None
+    state_placements: dict[str, Spec] = field(default_factory=dict)
 
     @property
     def collectives(self) -> list[dict]:
@@ -371,7 +376,7 @@ class Plan:
     def holds_dtensors(self) -> bool:
         """Whether the module of this plan holds its parameters and buffers as DTensors
         (:func:`holds_dtensors`)."""
-        return holds_dtensors(self.param_placements)
+        return holds_dtensors(self.param_placements) or bool(self.state_placements)
 
     def table(self, by: str = "module", all_nodes: bool = False) -> str:
         """The plan as a text table (:mod:`autoparallel.table`): one row per module with the
@@ -432,6 +437,7 @@ class Plan:
             "inputs": self.inputs,
             "offloaded": list(self.offloaded),
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
+            "state_placements": {k: spec_to_json(v) for k, v in self.state_placements.items()},
         })
 
     @classmethod
@@ -452,7 +458,7 @@ class Plan:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
         _fields(d, _PLAN_FIELDS, "plan",
                 optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs", "offloaded",
-                          "pipeline"))
+                          "pipeline", "state_placements"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
@@ -492,6 +498,7 @@ class Plan:
         offloaded = d.get("offloaded", [])
         _check(isinstance(offloaded, list) and all(isinstance(k, str) and k in params for k in offloaded), "plan",
                "offloaded", "a list of names in param_placements", offloaded)
+        states = _state_placements(d.get("state_placements", {}), params, mesh)
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
@@ -501,7 +508,7 @@ class Plan:
             estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
         return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
                    checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs, tuple(offloaded),
-                   PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") is not None else None)
+                   PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") is not None else None, states)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -513,7 +520,7 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy", "inspection", "inputs", "offloaded", "pipeline")
+                "outputs", "mp_policy", "inspection", "inputs", "offloaded", "pipeline", "state_placements")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 
@@ -544,6 +551,26 @@ def _check_dims(spec: Spec, ndim: int, where: str, field_name: str) -> None:
     for p in spec:
         if isinstance(p, Shard) and p.dim >= ndim:
             raise ValueError(f"{where}: {field_name} {spec_to_json(spec)} splits dim {p.dim} of a {ndim}-dim tensor")
+
+
+def _state_placements(d, params: dict[str, Spec], mesh: MeshSpec) -> dict[str, Spec]:
+    """The ``state_placements`` field: names of ``params``, each a spec that differs from the
+    parameter's only where the parameter is replicated and the state is split (``Shard``),
+    along one dim the parameter's spec does not split."""
+    _check(isinstance(d, dict), "plan", "state_placements", "an object", d)
+    states = {}
+    for k, v in d.items():
+        _check(k in params, "plan", "state_placements", "names in param_placements", k)
+        spec = states[k] = _spec(v, "state_placements", k)
+        _check_len(spec, mesh, "state_placements", k)
+        held = params[k]
+        diff = [(p, q) for p, q in zip(spec, held) if p != q]
+        dims = {p.dim for p, _ in diff if type(p) is Shard}
+        ok = (bool(diff) and all(q == R and type(p) is Shard for p, q in diff) and len(dims) == 1
+              and not dims & {q.dim for q in held if isinstance(q, Shard)})
+        _check(ok, "state_placements", k, f"the parameter's placements {spec_to_json(held)} with one dim they do "
+               "not split split over axes they replicate", spec_to_json(spec))
+    return states
 
 
 def _check_len(spec: Spec, mesh: MeshSpec, where: str, field_name: str) -> None:

@@ -190,6 +190,9 @@ def _memory(plan: "Plan") -> str:
     if plan.offloaded:
         line += (f"; {len(plan.offloaded)} parameters held in host memory with their gradients and optimizer "
                  "states, stepped there")
+    if plan.state_placements:
+        line += (f"; {len(plan.state_placements)} parameters with optimizer states sharded (ZeRO-1: each device "
+                 "steps its shard, all-gathered after the step)")
     return line
 
 
@@ -303,6 +306,8 @@ def _parameters(plan: "Plan") -> str:
         if spec is None:
             continue
         where = " in host memory" if names[0] in plan.offloaded else ""
+        if names[0] in plan.state_placements:
+            where += f", states {named(plan, plan.state_placements[names[0]])}"
         key = (key_name, named(plan, spec) + where, parameter_use(plan, node_name), tuple(node.out_shapes[0]),
                tuple(fold(t)[0] for t in names[1:]))
         if key not in groups:

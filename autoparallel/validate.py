@@ -16,7 +16,8 @@ What is checked (every field the emitted module depends on):
   computes what it computes on one device); a ``getitem`` has its producer's output spec;
   a buffer the forward updates in place is replicated;
 * ``param_placements``: exactly the graph's parameter and buffer names (tied names
-  included), each at the spec of its ``get_attr`` node;
+  included), each at the spec of its ``get_attr`` node; ``state_placements``: trainable
+  parameters only, each cut evenly along its state's dim;
 * redistributions: one per graph edge whose producer and consumer specs differ and none
   elsewhere (a graph output is consumed in the placements
   :func:`~autoparallel.plan.returned_spec` gives for the plan's ``outputs`` mode, buffer
@@ -40,6 +41,7 @@ reports, not what the module computes.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch.fx as fx
@@ -209,6 +211,15 @@ def _check_params(plan: Plan, gm: fx.GraphModule, strategies, traced) -> None:
     extra = [k for k in plan.param_placements if k not in want]
     if extra:
         raise _mismatch(f"param_placements[{extra[0]!r}]", "the graph reads no parameter or buffer of this name")
+    for name, state in plan.state_placements.items():
+        node = want[name][1]
+        info = node_info(node)
+        axes = [a for a, (p, q) in enumerate(zip(state, want[name][0])) if p != q]
+        dim, size = state[axes[0]].dim, info.outputs[0][0]
+        pieces = math.prod(plan.mesh.shape[a] for a in axes)
+        if not info.requires_grad or dim >= len(size) or size[dim] % pieces:
+            raise _mismatch(f"state_placements[{name!r}]", f"a shard of trainable parameter {node.target} "
+                            f"{list(size)} cut evenly along one dim", list(state))
 
 
 def _edges(gm: fx.GraphModule, strategies, aliases):

@@ -261,10 +261,9 @@ class Recapture:
             traced = capture(self.skeleton, meta, stamp_layers=self.options.stamp_layers,
                              mp_policy=self.options.mp_policy, device=self.device_mesh.device_type)
             self.captures += 1
-            held = list(pmodel.named_parameters(remove_duplicate=False)) + \
-                list(pmodel.named_buffers(remove_duplicate=False))
+            held = pmodel.graph_root({})  # as the graphs read them: a ZeRO parameter whole
             pinned = {name: tuple(t.placements) if isinstance(t, DTensor) else replicated(self.device_mesh.ndim)
-                      for name, t in held}
+                      for name, t in held.items()}
             p = plan_on_rank0(traced, self.mesh, self.options, pinned=pinned)
         variant = add_variant(pmodel, traced, p, self.device_mesh)
         log.info("planned %s mode for inputs %s (%.2f s; %d graphs cached)",

@@ -23,6 +23,7 @@ from ..runtime_kernels.grad_reduction import gradient_sync
 from .batch_check import BatchCheck
 from .eager import EagerRunner, retire
 from .split_output import mark
+from .zero import ZeroState, zero_param
 
 
 def _mesh_coord(device_mesh) -> torch.Tensor:
@@ -239,6 +240,7 @@ class _State:
     pipeline: object = None  # the pipeline runtime of the mode the module was built in
     restage: object = None  # (mode, module attributes) -> their pipeline runtime (codegen.emit.Restage)
     stepped: bool = False  # step() ran a backward since a trainer last looked (autoparallel.lightning)
+    zero: ZeroState | None = None  # the whole copies of parameters whose optimizer states are sharded
 
 
 class ParallelModule(NotPicklable, nn.Module):
@@ -332,6 +334,8 @@ class ParallelModule(NotPicklable, nn.Module):
         device = self.device_mesh.device_type
         root = dict(self.named_parameters(remove_duplicate=False))
         root.update(self.named_buffers(remove_duplicate=False))
+        if self._ap.zero is not None:  # read whole; the optimizer steps their shards
+            root.update(self._ap.zero.wholes())
         root.update({k: v.to(device) for k, v in constants.items()})
         return root
 
@@ -440,6 +444,8 @@ class ParallelModule(NotPicklable, nn.Module):
             return self._eager(args, kwargs)
         flat = graph_inputs(variant, args, kwargs)
         self._ap.batch_check(flat)
+        if self._ap.zero is not None:  # the shards an optimizer step changed, gathered
+            self._ap.zero.refresh()
         if variant.plan.inputs == "global":  # each rank's own batch (local) is a shard: its gradient is exact
             flat = [input_with_full_grad(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
         with gradient_sync(not self._ap.no_sync):
@@ -579,10 +585,10 @@ def parallelize_in_place(model: nn.Module, plan: Plan, device_mesh, *, param_nam
         AutoParallelError: the model is already parallel."""
     cls = parallel_class(type(model))
     coord = _mesh_coord(device_mesh)  # first: it refuses meshes no numbering fits
-    _place_state(model, plan, device_mesh, list(param_names) + list(buffer_names))
+    zero = _place_state(model, plan, device_mesh, list(param_names) + list(buffer_names), coord)
     model.__class__ = cls
     model.__dict__["_autoparallel"] = _State(device_mesh, coord, BatchCheck(device_mesh, check_batch_every),
-                                             bucket_cap_bytes, plan.holds_dtensors)
+                                             bucket_cap_bytes, plan.holds_dtensors, zero=zero)
     model._register_load_state_dict_pre_hook(_shard_plain_tensors, with_module=True)
     if plan.holds_dtensors and _permuted(device_mesh, coord):
         model.register_state_dict_pre_hook(_refuse_permuted)
@@ -613,10 +619,12 @@ def _refuse_permuted(module, prefix, keep_vars) -> None:
         "init_device_mesh (or torch.arange(world).reshape(shape)) to save its state dict")
 
 
-def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) -> None:
+def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str], coord: torch.Tensor) -> ZeroState | None:
     """Replace every parameter and buffer of ``model`` (tied names kept one object) by its
-    distributed value in the plan's placements (unused ones replicated); the replaced
-    parameters are retired (:func:`retire`)."""
+    distributed value in the plan's placements (unused ones replicated; a parameter in the
+    plan's ``state_placements`` by the shard the optimizer steps, its whole copy returned in
+    the :class:`~autoparallel.codegen.zero.ZeroState`, ``None`` when there is none); the
+    replaced parameters are retired (:func:`retire`)."""
     groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + \
             list(model.named_buffers(remove_duplicate=False)):
@@ -625,17 +633,24 @@ def _place_state(model: nn.Module, plan: Plan, device_mesh, targets: list[str]) 
     transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
                  for b in mod._non_persistent_buffers_set}
     repl = (Replicate(),) * device_mesh.ndim
+    zero = []
     for tid, (orig, names) in groups.items():
         target = target_of.get(tid)
         spec = plan.param_placements.get(target, repl) if target else repl  # unused: replicated
-        dt = _distribute(orig, device_mesh, spec, as_dtensor=plan.holds_dtensors, on_host=target in plan.offloaded)
+        state = plan.state_placements.get(target) if target else None
+        dt = _distribute(orig, device_mesh, state or spec, as_dtensor=plan.holds_dtensors,
+                         on_host=target in plan.offloaded)
         if isinstance(orig, nn.Parameter):
             value = nn.Parameter(dt, requires_grad=orig.requires_grad)
             retire(orig, names[0])
         else:
             value = dt
+        if state is not None:  # the optimizer steps the shard; the graphs read a whole copy
+            whole = _distribute(orig, device_mesh, spec).requires_grad_(orig.requires_grad)
+            zero.append(zero_param(names, value, whole, device_mesh, coord))
         for name in names:
             set_attr(model, name, value, persistent=name not in transient)
+    return ZeroState(zero) if zero else None
 
 
 def _distribute(tensor: torch.Tensor, device_mesh, spec, as_dtensor: bool = True, on_host: bool = False) -> torch.Tensor:

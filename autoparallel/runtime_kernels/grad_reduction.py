@@ -69,6 +69,28 @@ def _add_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
         p.grad._local_tensor.add_(local_grad)
 
 
+_SHARD_OF = WeakIdKeyDictionary()  # whole copy of a ZeRO parameter -> (its shard, dim, pieces, coordinate)
+
+
+def shard_gradient(whole: torch.Tensor, shard: torch.Tensor, dim: int, pieces: int, coord: torch.Tensor) -> None:
+    """Hand the reduced gradient of ``whole`` (a parameter's whole copy, read by the graphs
+    through the buckets) to ``shard`` (the parameter the optimizer steps, ZeRO stage 1:
+    :mod:`autoparallel.codegen.zero`): this device's piece of it, piece ``coord`` (a 1-element
+    int64 tensor) of ``pieces`` along ``dim``, is added into ``shard.grad``."""
+    _SHARD_OF[whole] = (shard, dim, pieces, coord)
+
+
+def _add_reduced(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``_add_grad`` of a reduced gradient: for a ZeRO parameter's whole copy, its shard's
+    piece into the shard (:func:`shard_gradient`)."""
+    target = _SHARD_OF.get(p)
+    if target is None:
+        _add_grad(p, grad)
+        return
+    shard, dim, pieces, coord = target
+    _add_grad(shard, grad.unflatten(dim, (pieces, -1)).index_select(dim, coord).squeeze(dim))
+
+
 AFTER_STEP = "after_step"
 """:func:`gradient_sync`'s mode that leaves the reduction to :func:`reduce_after_step`."""
 
@@ -139,7 +161,7 @@ class _BucketReduction(torch.autograd.Function):
                 out = _c10d.wait_tensor(_c10d.all_reduce(out, "sum", group))
             out = out.to(grad_dtype)
             for p, piece, shape in zip(params, torch.split(out, [s.numel() for s in shapes]), shapes):
-                _add_grad(p, piece.view(shape))
+                _add_reduced(p, piece.view(shape))
 
         torch.autograd.Variable._execution_engine.queue_callback(finish)
         return (None,) * (2 + len(params))

@@ -14,6 +14,7 @@ from ..graph import tensor_inputs
 from ..plan import NodePlan, Plan, Redistribution, holds_dtensors
 from ..results import Estimate
 from ..strategies import Strategy
+from ..strategies.zero import state_spec_of
 from ..tracer.annotate import node_info
 from .ilp import ILPSolution
 from .memory import MemoryModel
@@ -44,16 +45,18 @@ def make_plan(pricing: Pricing, choice: dict[fx.Node, Strategy], edges, param_na
     """
     nodes = _node_plans(pricing, choice)
     redistributions = _redistributions(pricing, choice, edges, nodes)
-    params, offloaded = {}, []
+    params, offloaded, states = {}, [], {}
     for node in pricing.nodes:
         if node.op == "get_attr" and node.target in param_names:
             for name in param_names[node.target]:
                 params[name] = choice[node].outputs[0]
                 if choice[node].offload:
                     offloaded.append(name)
-    estimate = _estimate(pricing, choice, nodes, redistributions, params, memory)
+                if choice[node].zero:
+                    states[name] = state_spec_of(node, choice[node], pricing.mesh.shape)
+    estimate = _estimate(pricing, choice, nodes, redistributions, params, memory, bool(states))
     return Plan(pricing.mesh, nodes, redistributions, params, estimate, outputs=pricing.outputs,
-                offloaded=tuple(offloaded))
+                offloaded=tuple(offloaded), state_placements=states)
 
 
 def _node_plans(pricing: Pricing, choice: dict[fx.Node, Strategy]) -> dict[str, NodePlan]:
@@ -99,7 +102,8 @@ def _redistributions(pricing: Pricing, choice, edges, nodes: dict[str, NodePlan]
     return redistributions
 
 
-def _estimate(pricing: Pricing, choice, nodes, redistributions, params, memory: MemoryModel | None) -> Estimate:
+def _estimate(pricing: Pricing, choice, nodes, redistributions, params, memory: MemoryModel | None,
+              zero: bool) -> Estimate:
     """The step's estimate (seconds, bytes) from the plan's nodes and redistributions."""
     peak = memory.estimate(choice).as_peak() if memory is not None else None
     compute = sum(n.compute_s for n in nodes.values())
@@ -107,9 +111,10 @@ def _estimate(pricing: Pricing, choice, nodes, redistributions, params, memory: 
     # the nodes' comm_s hold their gradients' whole bandwidth; the step waits for the exposed part
     grad_total, grad_exposed = pricing.grad_comm(choice)
     comm += grad_exposed - sum(sum(pricing.grad_reduction(n, s)) for n, s in choice.items())
+    comm += pricing.zero_latencies(choice)  # the nodes' comm_s hold their all-gathers' bandwidth
     # compute holds the optimizer step: each trainable parameter's node_cost is its update
     optimizer = sum(pricing.optimizer_time(n, s) for n, s in choice.items())
-    if holds_dtensors(params):  # in no node's compute_s: paid once for the module
+    if zero or holds_dtensors(params):  # in no node's compute_s: paid once for the module
         overhead = pricing.dtensor_overhead()
         optimizer += overhead
         compute += overhead

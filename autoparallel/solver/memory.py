@@ -12,7 +12,9 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * gradients of parameters, from the backward of the parameter's last use (set_to_none
   zeroing: the previous step's are gone) to the end;
 * optimizer states, whole step: ``OPTIMIZER_STATES[optimizer]`` tensors the size of each
-  trainable parameter (Adam/AdamW: two; SGD with momentum: one; SGD: none);
+  trainable parameter (Adam/AdamW: two; SGD with momentum: one; SGD: none), or of its shard
+  where the states are sharded (ZeRO stage 1, :mod:`autoparallel.strategies.zero`: the shard
+  the optimizer steps and its gradient are held beside the whole parameter and gradient);
 * forward values (temporaries), from their node's forward step to their last forward use;
 * activations saved for backward, from the forward of their first saver to the backward
   of that saver (savers run backward in reverse order, so the first is the last to
@@ -78,6 +80,7 @@ from ..plan import returned_spec
 from ..results import MemoryBreakdown, MemoryPeak
 from ..graph import alias_source, output_leaves, tensor_inputs
 from ..strategies.engine import Strategy
+from ..strategies.zero import state_spec_of
 from ..strategies.generator import local_input_spec
 from ..strategies.records import record_of
 from ..tracer.annotate import node_info
@@ -519,16 +522,17 @@ class MemoryModel:
             info = node_info(u)
             if u.op == "get_attr":
                 size = _on_device(out_size(u, i))
-                kind = "parameters"
-                items.append(Item(kind, u, 0, back, size))
+                state = self._state_size(u, size)
+                held = (lambda s, f=size, g=state: f(s) + (g(s) if s.zero else 0))  # a ZeRO shard beside the whole
+                items.append(Item("parameters", u, 0, back, held))
                 if info.requires_grad:
-                    items.append(Item("gradients", u, back - end, back, size))
+                    items.append(Item("gradients", u, back - end, back, held))
                     first = min((step[c] for c in u.users if c in step), default=None)
                     if first is not None:
                         items.append(Item("buffers", u, back - first, back - first, self._bucket_size(size)))
                     k = OPTIMIZER_STATES[optimizer]
                     if k:
-                        items.append(Item("optimizer", u, 0, back, lambda s, f=size, k=k: k * f(s)))
+                        items.append(Item("optimizer", u, 0, back, lambda s, f=state, k=k: k * f(s)))
                 continue
             if u.op == "placeholder":  # the caller's batch, held through the step
                 shape, dtype = info.outputs[i]
@@ -587,6 +591,18 @@ class MemoryModel:
             return 0 if view else size(s)
 
         return unless_view
+
+    def _state_size(self, param: fx.Node, size: Callable[[Strategy], int]) -> Callable[[Strategy], int]:
+        """Bytes of one optimizer state of ``param`` (``size``: the parameter's device bytes):
+        its ZeRO shard's under a strategy that shards the states (:mod:`autoparallel.strategies.zero`)."""
+        shape, dtype = node_info(param).outputs[0]
+
+        def state(s):
+            if not s.zero:
+                return size(s)
+            return _local_bytes(shape, dtype, state_spec_of(param, s, self.mesh_shape), self.mesh_shape)
+
+        return state
 
     def _bucket_size(self, size: Callable[[Strategy], int]) -> Callable[[Strategy], int]:
         """Bytes the gradient all-reduce of a parameter replicated along a mesh axis allocates

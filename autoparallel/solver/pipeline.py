@@ -156,16 +156,19 @@ def _cached(folder, key: str, traced, mesh: MeshSpec, pinned) -> Plan | None:
 
 def _solve(planner: Planner, options: PlanOptions, budget: int | None, prepared: Prepared | None = None) -> Plan:
     """The planner's plan within ``budget``. When the fastest plan does not fit (the plan had to
-    shard more or recompute, or none fits) and ``options.offload``, the planner also prices
-    parameters held in host memory (:mod:`autoparallel.strategies.offload`) and the faster of the
-    two plans wins: offloading may cost less than recomputation or sharding, and may be the only
-    way to fit.
+    shard more or recompute, or none fits), the planner also prices, with ``options.zero``,
+    optimizer states sharded over the axes that replicate their parameters
+    (:mod:`autoparallel.strategies.zero`) and, with ``options.offload``, parameters held in host
+    memory (:mod:`autoparallel.strategies.offload`), and the faster of the two plans wins: either
+    may cost less than recomputation or sharding, and offloading may be the only way to fit.
 
     Raises:
-        InfeasiblePlanError: no plan fits, even offloading (or ``offload`` is off).
+        InfeasiblePlanError: no plan fits, even so.
     """
     keywords = dict(solver=options.solver, time_limit=options.time_limit, memory_budget=budget,
                     checkpointing=options.checkpointing)
+    ways = [w for w, on in (("optimizer states sharded", options.zero),
+                            ("parameters offloaded to host memory", options.offload)) if on]
     try:
         if prepared is not None and prepared.planner is planner:  # the problem built once across budgets
             t0 = time.perf_counter()
@@ -178,21 +181,20 @@ def _solve(planner: Planner, options: PlanOptions, budget: int | None, prepared:
         else:
             plan = planner.solve(**keywords)
     except errors.InfeasiblePlanError as e:
-        if not options.offload or budget is None:
+        if not ways or budget is None:
             raise
-        log.info("no plan fits device memory (%s); pricing parameters offloaded to host memory", e)
+        log.info("no plan fits device memory (%s); pricing %s", e, " and ".join(ways))
         try:
-            return planner.with_offload().solve(**keywords)
+            return planner.with_state_sharding(options.zero, options.offload).solve(**keywords)
         except errors.InfeasiblePlanError as again:
-            raise errors.InfeasiblePlanError(f"{again} (even with parameters offloaded to host memory)") from None
-    if not options.offload or budget is None or (plan.solver_stats.memory_rounds <= 1 and not plan.checkpoint):
+            raise errors.InfeasiblePlanError(f"{again} (even with {' and '.join(reversed(ways))})") from None
+    if not ways or budget is None or (plan.solver_stats.memory_rounds <= 1 and not plan.checkpoint):
         return plan
-    offloading = planner.with_offload().solve(**keywords)
-    faster = offloading.estimate.step_time_s < plan.estimate.step_time_s
-    log.info("with parameters offloaded to host memory the step is %s (%s without): %s",
-             units.seconds(offloading.estimate.step_time_s), units.seconds(plan.estimate.step_time_s),
-             "offloading" if faster else "not offloading")
-    return offloading if faster else plan
+    saved = planner.with_state_sharding(options.zero, options.offload).solve(**keywords)
+    faster = saved.estimate.step_time_s < plan.estimate.step_time_s
+    log.info("with %s the step is %s (%s without): %s", " and ".join(ways), units.seconds(saved.estimate.step_time_s),
+             units.seconds(plan.estimate.step_time_s), "taken" if faster else "not taken")
+    return saved if faster else plan
 
 
 def _narrow(strategies, traced, options: PlanOptions, mesh: MeshSpec, pinned, user_pins, aliases) -> dict:

@@ -19,6 +19,7 @@ from ..results import Inspection, SolverStats
 from ..graph import layer_of, layers_of
 from ..strategies import Strategy
 from ..strategies.offload import with_offload
+from ..strategies.zero import with_zero
 from .shared_layers import layer_templates
 from .costs import CostModel
 from .decode import make_plan
@@ -78,7 +79,7 @@ class Planner:
         """A planner of the same graph, cost model, memory model and options over
         ``strategies``: the same nodes, each with a subset of its strategies here (e.g. a copy
         that :func:`autoparallel.constraints.restrict` narrowed) or a superset
-        (:meth:`with_offload`). It shares this planner's
+        (:meth:`with_state_sharding`). It shares this planner's
         :attr:`pricing` and its memoized redistribution paths, so it prices no path twice
         (:mod:`autoparallel.recipes` prices hand-written recipes beside the plan so).
 
@@ -93,10 +94,14 @@ class Planner:
             other.template = layer_templates(self.nodes, strategies)
         return other
 
-    def with_offload(self) -> "Planner":
-        """A planner of the same graph whose trainable parameters may also be held in host
+    def with_state_sharding(self, zero: bool, offload: bool) -> "Planner":
+        """A planner of the same graph whose trainable parameters may also, with ``zero``, shard
+        their optimizer states over the axes that replicate them (ZeRO stage 1,
+        :func:`~autoparallel.strategies.zero.with_zero`) and, with ``offload``, be held in host
         memory (:func:`~autoparallel.strategies.offload.with_offload`)."""
-        return self.restricted(with_offload(self.strategies, self.pricing.mesh.shape))
+        strategies, mesh_shape = self.strategies, self.pricing.mesh.shape
+        strategies = with_zero(strategies, mesh_shape) if zero else strategies
+        return self.restricted(with_offload(strategies, mesh_shape) if offload else strategies)
 
     def _same_count_classes(self, strategies) -> bool:
         """Whether ``strategies`` sort the repeated layers of each list into the same classes

@@ -24,6 +24,7 @@ from ..placement import R, Spec, local_shape
 from ..plan import returned_spec
 from ..graph import aliased_input, is_view, moves_no_data, output_leaves, tensor_inputs, written_inputs
 from ..strategies import Strategy, record_of
+from ..strategies.zero import state_spec_of
 from ..tracer.annotate import node_info
 from .costs import CostModel, exposed_comm_time, optimizer_implementation
 from .memory import DEFAULT_OPTIMIZER
@@ -123,6 +124,9 @@ class Pricing:
             comm = sum(self.grad_reduction(node, s))
             if s.offload:  # the shard to the device each forward, its gradient back each backward
                 return update, comm + (2 if backward else 1) * self.cm.host_copy_time(out_bytes), 0
+            if s.zero:  # the updated shards all-gathered once per step; the shard and its gradient held
+                shard = out_bytes // math.prod(ms[a] for a in s.zero)
+                return update, comm + (self.zero_gather(s.zero, out_bytes) if backward else 0.0), 2 * (out_bytes + shard)
             return update, comm, out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
@@ -161,9 +165,34 @@ class Pricing:
         if node.name not in self.grad_params:
             return 0.0
         shape, dtype = node_info(node).outputs[0]
-        numel = math.prod(local_shape(shape, s.outputs[0], self.mesh.shape))
+        numel = math.prod(local_shape(shape, state_spec_of(node, s, self.mesh.shape), self.mesh.shape))
         return self.cm.optimizer_step_time(numel, dtype.itemsize, self.optimizer, self.optimizer_impl,
                                            len(self.grad_params), dtensor=False, on_host=s.offload)
+
+    def zero_group(self, axes: tuple[int, ...]) -> int | None:
+        """The process group a ZeRO parameter's shards are all-gathered over
+        (:mod:`autoparallel.strategies.zero`): its single mesh axis, or ``None`` (the world's)
+        for several axes spanning the mesh."""
+        return axes[0] if len(axes) == 1 else None
+
+    def zero_gather(self, axes: tuple[int, ...], nbytes: int) -> float:
+        """Bandwidth seconds of all-gathering ``nbytes`` of a ZeRO parameter (its whole local
+        tensor) from its optimizer shards over ``axes``, once per step and exposed (the module
+        gathers every stale parameter in one flat buffer before the forward,
+        :class:`~autoparallel.codegen.zero.ZeroState`); the latency is paid once per group
+        (:meth:`zero_gather_latency`)."""
+        group = self.zero_group(axes)
+        return self.cm.collective_time("all_gather", group, nbytes) - self.zero_gather_latency(group)
+
+    def zero_gather_latency(self, group: int | None) -> float:
+        """Seconds of an empty all-gather over ``group`` (a mesh axis, ``None``: the world)."""
+        return self.cm.collective_time("all_gather", group, 0)
+
+    def zero_latencies(self, choice: dict[fx.Node, Strategy]) -> float:
+        """The all-gather latencies a strategy choice pays once per step: one per process group
+        that some ZeRO parameter is gathered over (the ILP's fixed charges price the same)."""
+        groups = {self.zero_group(s.zero) for s in choice.values() if s.zero}
+        return sum(self.zero_gather_latency(g) for g in groups)
 
     def dtensor_overhead(self) -> float:
         """Seconds the optimizer step adds to :meth:`optimizer_time`'s sum when the module

@@ -142,7 +142,8 @@ def build_problem(pricing: Pricing, strategies: dict[fx.Node, list[Strategy]], t
                            gidx, list(pricing.edges()), {})
     built.ilp.node_costs = _group_costs(pricing, built, croots) + [[0.0]]  # the last group: the graph output
     built.ilp.exposed_rows = exposed_grad_rows(pricing, built)
-    built.ilp.fixed_charges = _latency_charges(pricing, built) + _dtensor_charge(pricing, built, state_nodes)
+    built.ilp.fixed_charges = (_latency_charges(pricing, built) + _zero_charges(pricing, built)
+                               + _dtensor_charge(pricing, built, state_nodes))
     _add_edges(pricing, built)
     built.stats = {"groups": sum(1 for n in nodes if root[n] is n), "ilp_groups": len(croots),
                    "shared_nodes": sum(1 for n in nodes if tmpl[n] is not n)}
@@ -209,13 +210,32 @@ def _latency_charges(pricing: Pricing, built: GroupedProblem) -> list[FixedCharg
     return charges
 
 
+def _zero_charges(pricing: Pricing, built: GroupedProblem) -> list[FixedCharge]:
+    """One all-gather latency per process group that some ZeRO parameter's shards are
+    gathered over after the step (:meth:`~autoparallel.solver.pricing.Pricing.zero_group`;
+    one flat all-gather per group), as ILP fixed charges over the strategies that gather there."""
+    by_group: dict[int | None, dict[int, list[int]]] = {}
+    for node in pricing.nodes:
+        if node.name not in pricing.grad_params:
+            continue
+        t = built.template[node]
+        for i, si in enumerate(built.fmap[t]):
+            s = built.strategies[t][si]
+            if s.zero:
+                ks = by_group.setdefault(pricing.zero_group(s.zero), {}).setdefault(built.group[built.root[t]], [])
+                ks.append(i)
+    return [FixedCharge(pricing.zero_gather_latency(g), {k: sorted(set(v)) for k, v in strategies.items()})
+            for g, strategies in by_group.items()]
+
+
 def _dtensor_charge(pricing: Pricing, built: GroupedProblem, state_nodes) -> list[FixedCharge]:
     """:meth:`~autoparallel.solver.pricing.Pricing.dtensor_overhead` as an ILP fixed charge over
     every strategy that does not replicate a parameter or buffer (``state_nodes``) on every device."""
     cost, strategies = pricing.dtensor_overhead(), {}
     for node in state_nodes:
         t = built.template[node]
-        ks = [i for i, si in enumerate(built.fmap[t]) if not is_replicated(built.strategies[t][si].outputs[0])]
+        ks = [i for i, si in enumerate(built.fmap[t])
+              if not is_replicated(built.strategies[t][si].outputs[0]) or built.strategies[t][si].zero]
         if ks:
             g = built.group[built.root[t]]
             strategies[g] = sorted(set(strategies.get(g, [])) | set(ks))

@@ -762,7 +762,7 @@ def plan_stages(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pl
                                     "(1F1B, GPipe) or a shorter pipeline axis")
     if options.microbatches is not None and batch % options.microbatches:
         raise AutoParallelError(f"the batch of {batch} does not split into {options.microbatches} microbatches")
-    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None)
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None, zero=False)
     candidates: list[tuple[float, Plan]] = []
     lowest = math.inf
     if pinned is None:  # no pipeline: the whole mesh plans the whole batch
@@ -815,7 +815,7 @@ def replan_stages(traced, plan: Plan, options: PlanOptions) -> Plan:
             for; InfeasiblePlanError, ShardingRuleError as :func:`plan_stages`.
     """
     pl = plan.pipeline
-    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+    inner_options = replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None, zero=False,
                             memory_budget="unlimited", checkpointing="off")
     inner = plan_traced(traced, submesh(pl.mesh, pl.axis), _on_submesh(inner_options, pl.axis),
                         pinned=dict(plan.param_placements))
@@ -960,7 +960,7 @@ def recipe_row(capture_at: Callable[[int], object], mesh: MeshSpec, options: Pla
     if inner_recipe is None or inner_recipe.constraints is None:
         return Row(name, None, inner_recipe.reason if inner_recipe else "no FSDP + TP recipe for the stage")
     t0 = time.perf_counter()
-    inner_options = _on_submesh(replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None,
+    inner_options = _on_submesh(replace(options, pipeline="off", baselines=False, microbatches=None, schedule=None, zero=False,
                                         constraints=inner_recipe.constraints, memory_budget="unlimited"), axis)
     even = even_boundaries(num_layers, pp)
     low = math.inf

@@ -48,12 +48,16 @@ class Strategy:
         offload: for a trainable parameter, whether its shard, gradient and optimizer states
             are held in host memory and the optimizer steps it there
             (:mod:`autoparallel.strategies.offload`).
+        zero: for a trainable parameter replicated along mesh axes, the axes over which its
+            optimizer states are sharded while compute reads it whole (ZeRO stage 1,
+            :mod:`autoparallel.strategies.zero`); ``()``: not sharded.
     """
 
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
     split: int | float = 1
     offload: bool = False
+    zero: tuple[int, ...] = ()
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""The whole copies that parameters with sharded optimizer states are computed with (ZeRO stage 1).
+
+A parameter the plan names in ``state_placements`` (:mod:`autoparallel.strategies.zero`) is,
+on the module, an ``nn.Parameter`` holding the shard the optimizer steps (a DTensor in the
+state's placements), and beside it a whole copy (a DTensor in the parameter's placements,
+replicated along the state's axes) that the per-device graphs read. The gradient buckets
+all-reduce the copy's gradient as any replicated parameter's and hand each device its shard's
+piece (:func:`~autoparallel.runtime_kernels.grad_reduction.shard_gradient`). Before each
+forward, the shards that changed since they were last gathered (their version counter moved:
+an optimizer step, ``load_state_dict``, any in-place write) are all-gathered into their copies,
+one flat all-gather per process group and dtype: ZeRO's all-gather of the updated parameters
+after the step (Rajbhandari et al., SC 2020, §5.1), run when the next forward needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..runtime_kernels.grad_reduction import shard_gradient
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class ZeroParam:
+    """One parameter whose optimizer states are sharded.
+
+    Attributes:
+        names: its names on the model (tied names included).
+        shard: the ``nn.Parameter`` the optimizer steps (a DTensor in the state's placements).
+        whole: the copy the graphs read (a DTensor in the parameter's placements, a leaf that
+            requires grad whose gradient the buckets hand to ``shard``).
+        dim: the tensor dim the shard is cut along.
+        group: the c10d process group the shards are gathered over (one mesh axis, or the world's).
+        pieces: the devices of that group.
+        version: ``shard._version`` when it was last gathered into ``whole``.
+    """
+
+    names: list[str]
+    shard: nn.Parameter
+    whole: DTensor
+    dim: int
+    group: str
+    pieces: int
+    version: int
+
+
+class ZeroState:
+    """The module's :class:`ZeroParam` s and their gathering (module docstring).
+
+    Args:
+        params: the parameters, built by :func:`zero_param`.
+    """
+
+    def __init__(self, params: list[ZeroParam]):
+        self.params = params
+
+    def wholes(self) -> dict[str, DTensor]:
+        """Name → the whole copy the graphs read, for every name of every parameter."""
+        return {name: p.whole for p in self.params for name in p.names}
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """All-gather every shard that changed into its whole copy: one flat buffer per process
+        group and dtype, the same collectives on every device (each device's shards change
+        together, by the same optimizer step)."""
+        stale: dict[tuple, list[ZeroParam]] = {}
+        for p in self.params:
+            if p.shard._version != p.version:
+                stale.setdefault((p.group, p.pieces, p.shard.dtype), []).append(p)
+        for (group, pieces, _), params in stale.items():
+            flat = torch.cat([p.shard._local_tensor.reshape(-1) for p in params])
+            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, pieces, group)).view(pieces, -1)
+            offset = 0
+            for p in params:
+                local = p.shard._local_tensor
+                rows = gathered[:, offset:offset + local.numel()].reshape(pieces, *local.shape)
+                p.whole._local_tensor.copy_(rows.movedim(0, p.dim).reshape(p.whole._local_tensor.shape))
+                offset += local.numel()
+                p.version = p.shard._version
+
+
+def zero_param(names: list[str], shard: nn.Parameter, whole: DTensor, device_mesh, coord: torch.Tensor) -> ZeroParam:
+    """The :class:`ZeroParam` of ``shard`` (the optimizer's) and ``whole`` (the graphs'),
+    registered with the gradient buckets so that ``shard`` receives its piece of the reduced
+    gradient of ``whole``.
+
+    Args:
+        coord: this device's mesh coordinate, one int64 per axis (a LocalTensor under
+            simulated ranks): where along the gathered axes its shard lies.
+    """
+    axes = [a for a, (p, q) in enumerate(zip(shard.placements, whole.placements)) if p != q]
+    dim = shard.placements[axes[0]].dim
+    sizes = [device_mesh.size(a) for a in axes]
+    pieces = math.prod(sizes)
+    if len(axes) == 1:
+        group = device_mesh.get_group(axes[0]).group_name
+    else:  # axes spanning the mesh: the world's group, ranks in the mesh's row-major order
+        group = dist.group.WORLD.group_name
+    index = coord[axes[0]:axes[0] + 1]
+    for a, n in zip(axes[1:], sizes[1:]):
+        index = index * n + coord[a:a + 1]
+    shard_gradient(whole, shard, dim, pieces, index)
+    return ZeroParam(names, shard, whole, dim, group, pieces, shard._version)
