@@ -61,6 +61,7 @@ class ZeroState:
 
     def __init__(self, params: list[ZeroParam]):
         self.params = params
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (group, dtype) -> (shards, gathered)
 
     def wholes(self) -> dict[str, DTensor]:
         """Name → the whole copy the graphs read, for every name of every parameter."""
@@ -68,43 +69,78 @@ class ZeroState:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """All-gather every shard that changed into its whole copy: one flat buffer per process
-        group and dtype, the same collectives on every device (each device's shards change
-        together, by the same optimizer step)."""
+        """All-gather every shard that changed into its whole copy, in buckets of at most
+        :data:`GATHER_BUCKET_BYTES` of shards per device per process group and dtype, through two
+        buffers kept from step to step (a fresh buffer costs its page faults on every step), the
+        same collectives on every device (each device's shards change together, by the same
+        optimizer step)."""
         stale: dict[tuple, list[ZeroParam]] = {}
         for p in self.params:
             if p.shard._version != p.version:
                 stale.setdefault((p.group, p.pieces, p.shard.dtype), []).append(p)
-        for (group, pieces, _), params in stale.items():
-            flat = torch.cat([p.shard._local_tensor.reshape(-1) for p in params])
-            gathered = _all_gather(flat, pieces, group).view(pieces, -1)
-            offset = 0
-            for p in params:
-                shape = p.shard._local_tensor.shape
-                pieces_of_whole = p.whole._local_tensor.unflatten(p.dim, (pieces, -1)).movedim(p.dim, 0)  # a view
-                pieces_of_whole.copy_(gathered[:, offset:offset + shape.numel()].view(pieces, *shape))
-                offset += shape.numel()
-                p.version = p.shard._version
+        for (group, pieces, dtype), params in stale.items():
+            for bucket in _buckets(params, GATHER_BUCKET_BYTES // dtype.itemsize):
+                numel = sum(p.shard._local_tensor.numel() for p in bucket)
+                mine, gathered = self._buffer(group, pieces, bucket[0].shard._local_tensor, numel)
+                torch.cat([p.shard._local_tensor.reshape(-1) for p in bucket], out=mine)
+                rows = _all_gather(mine, gathered, pieces, group).view(pieces, -1)
+                offset = 0
+                for p in bucket:
+                    shape = p.shard._local_tensor.shape
+                    places = p.whole._local_tensor.unflatten(p.dim, (pieces, -1)).movedim(p.dim, 0)  # a view
+                    places.copy_(rows[:, offset:offset + shape.numel()].view(pieces, *shape))
+                    offset += shape.numel()
+                    p.version = p.shard._version
+
+    def _buffer(self, group: str, pieces: int, like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This device's shards and the gathered ones of a bucket of ``numel`` elements per
+        device: views of the buffers kept for ``group`` and ``like``'s dtype, grown as needed."""
+        key = (group, like.dtype)
+        mine, gathered = self._buffers.get(key, (None, None))
+        if mine is None or mine.numel() < numel:
+            mine = torch.empty(numel, dtype=like.dtype, device=like.device)
+            gathered = torch.empty(pieces * numel, dtype=like.dtype, device=like.device)
+            self._buffers[key] = (mine, gathered)
+        return mine[:numel], gathered[:pieces * numel]
 
 
-def _all_gather(flat: torch.Tensor, pieces: int, group: str) -> torch.Tensor:
-    """``flat`` of every device of ``group`` (``pieces`` of them), concatenated in the group's
-    rank order. On gloo as one broadcast from each device, launched together: gloo's all-gather
-    of 16 MiB per device over 4 processes took 157 ms where the four broadcasts took 47 ms
-    (docs/design.md, "ZeRO stage 1 per parameter"); elsewhere (NCCL, simulated ranks) one
-    all-gather."""
+GATHER_BUCKET_BYTES = 4 * 2 ** 20
+"""Bytes of shards per device that :meth:`ZeroState.refresh` gathers at a time (a parameter
+larger than that is a bucket of its own)."""
+
+
+def _buckets(params: list[ZeroParam], cap: int) -> list[list[ZeroParam]]:
+    """``params`` in order, cut into runs of at most ``cap`` shard elements (a larger one alone)."""
+    out, size = [[]], 0
+    for p in params:
+        n = p.shard._local_tensor.numel()
+        if out[-1] and size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
+
+
+def _all_gather(mine: torch.Tensor, gathered: torch.Tensor, pieces: int, group: str) -> torch.Tensor:
+    """``mine`` of every device of ``group`` (``pieces`` of them), concatenated in the group's
+    rank order, into ``gathered`` (returned; under simulated ranks a new tensor). On gloo as one
+    broadcast from each device, launched together: gloo's all-gather of 16 MiB per device over 4
+    processes took 157 ms where the four broadcasts took 47 ms (docs/design.md, "ZeRO stage 1
+    per parameter"); elsewhere (NCCL, simulated ranks) one all-gather."""
+    if local_tensor_mode() is not None:
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(mine, pieces, group))
     pg = dist.distributed_c10d._resolve_process_group(group)
-    if local_tensor_mode() is not None or dist.get_backend(pg) != "gloo":
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, pieces, group))
-    out = torch.empty(pieces * flat.numel(), dtype=flat.dtype, device=flat.device)
-    parts = out.view(pieces, -1)
-    me = dist.get_rank(pg)
-    parts[me].copy_(flat)
+    if dist.get_backend(pg) != "gloo":
+        dist.all_gather_into_tensor(gathered, mine, group=pg)
+        return gathered
+    parts = gathered.view(pieces, -1)
+    parts[dist.get_rank(pg)].copy_(mine)
     works = [dist.broadcast(parts[i], src=src, group=pg, async_op=True)
              for i, src in enumerate(dist.get_process_group_ranks(pg))]
     for w in works:
         w.wait()
-    return out
+    return gathered
 
 
 def zero_param(names: list[str], shard: nn.Parameter, whole: DTensor, device_mesh, coord: torch.Tensor) -> ZeroParam:
