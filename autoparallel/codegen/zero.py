@@ -8,8 +8,8 @@ all-reduce the copy's gradient as any replicated parameter's and hand each devic
 piece (:func:`~autoparallel.runtime_kernels.grad_reduction.shard_gradient`). Before each
 forward, the shards that changed since they were last gathered (their version counter moved:
 an optimizer step, ``load_state_dict``, any in-place write) are all-gathered into their copies,
-one flat all-gather per process group and dtype: ZeRO's all-gather of the updated parameters
-after the step (Rajbhandari et al., SC 2020, §5.1), run when the next forward needs them.
+in buckets per process group and dtype: ZeRO's all-gather of the updated parameters after the
+step (Rajbhandari et al., SC 2020, §5.1), run when the next forward needs them.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class ZeroState:
 
     def __init__(self, params: list[ZeroParam]):
         self.params = params
-        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (group, dtype) -> (shards, gathered)
 
     def wholes(self) -> dict[str, DTensor]:
         """Name → the whole copy the graphs read, for every name of every parameter."""
@@ -70,20 +69,19 @@ class ZeroState:
     @torch.no_grad()
     def refresh(self) -> None:
         """All-gather every shard that changed into its whole copy, in buckets of at most
-        :data:`GATHER_BUCKET_BYTES` of shards per device per process group and dtype, through two
-        buffers kept from step to step (a fresh buffer costs its page faults on every step), the
-        same collectives on every device (each device's shards change together, by the same
-        optimizer step)."""
+        :data:`GATHER_BUCKET_BYTES` of shards per device per process group and dtype, the same
+        collectives on every device (each device's shards change together, by the same optimizer
+        step). A bucket's two buffers live while it is gathered, before the forward, when the
+        step holds least; fresh ones cost no more than kept ones here (the allocator reuses their
+        memory), while one flat buffer of every shard took 163 ms against 116 ms in buckets."""
         stale: dict[tuple, list[ZeroParam]] = {}
         for p in self.params:
             if p.shard._version != p.version:
                 stale.setdefault((p.group, p.pieces, p.shard.dtype), []).append(p)
         for (group, pieces, dtype), params in stale.items():
             for bucket in _buckets(params, GATHER_BUCKET_BYTES // dtype.itemsize):
-                numel = sum(p.shard._local_tensor.numel() for p in bucket)
-                mine, gathered = self._buffer(group, pieces, bucket[0].shard._local_tensor, numel)
-                torch.cat([p.shard._local_tensor.reshape(-1) for p in bucket], out=mine)
-                rows = _all_gather(mine, gathered, pieces, group).view(pieces, -1)
+                mine = torch.cat([p.shard._local_tensor.reshape(-1) for p in bucket])
+                rows = _all_gather(mine, pieces, group).view(pieces, -1)
                 offset = 0
                 for p in bucket:
                     shape = p.shard._local_tensor.shape
@@ -91,17 +89,6 @@ class ZeroState:
                     places.copy_(rows[:, offset:offset + shape.numel()].view(pieces, *shape))
                     offset += shape.numel()
                     p.version = p.shard._version
-
-    def _buffer(self, group: str, pieces: int, like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This device's shards and the gathered ones of a bucket of ``numel`` elements per
-        device: views of the buffers kept for ``group`` and ``like``'s dtype, grown as needed."""
-        key = (group, like.dtype)
-        mine, gathered = self._buffers.get(key, (None, None))
-        if mine is None or mine.numel() < numel:
-            mine = torch.empty(numel, dtype=like.dtype, device=like.device)
-            gathered = torch.empty(pieces * numel, dtype=like.dtype, device=like.device)
-            self._buffers[key] = (mine, gathered)
-        return mine[:numel], gathered[:pieces * numel]
 
 
 GATHER_BUCKET_BYTES = 4 * 2 ** 20
@@ -122,15 +109,16 @@ def _buckets(params: list[ZeroParam], cap: int) -> list[list[ZeroParam]]:
     return out
 
 
-def _all_gather(mine: torch.Tensor, gathered: torch.Tensor, pieces: int, group: str) -> torch.Tensor:
+def _all_gather(mine: torch.Tensor, pieces: int, group: str) -> torch.Tensor:
     """``mine`` of every device of ``group`` (``pieces`` of them), concatenated in the group's
-    rank order, into ``gathered`` (returned; under simulated ranks a new tensor). On gloo as one
-    broadcast from each device, launched together: gloo's all-gather of 16 MiB per device over 4
-    processes took 157 ms where the four broadcasts took 47 ms (docs/design.md, "ZeRO stage 1
-    per parameter"); elsewhere (NCCL, simulated ranks) one all-gather."""
+    rank order. On gloo as one broadcast from each device, launched together: gloo's all-gather
+    of 16 MiB per device over 4 processes took 157 ms where the four broadcasts took 47 ms
+    (docs/design.md, "ZeRO stage 1 per parameter"); elsewhere (NCCL, simulated ranks) one
+    all-gather."""
     if local_tensor_mode() is not None:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(mine, pieces, group))
     pg = dist.distributed_c10d._resolve_process_group(group)
+    gathered = torch.empty(pieces * mine.numel(), dtype=mine.dtype, device=mine.device)
     if dist.get_backend(pg) != "gloo":
         dist.all_gather_into_tensor(gathered, mine, group=pg)
         return gathered

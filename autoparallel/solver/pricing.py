@@ -176,13 +176,17 @@ class Pricing:
         return axes[0] if len(axes) == 1 else None
 
     def zero_gather(self, axes: tuple[int, ...], nbytes: int) -> float:
-        """Bandwidth seconds of all-gathering ``nbytes`` of a ZeRO parameter (its whole local
-        tensor) from its optimizer shards over ``axes``, once per step and exposed (the module
-        gathers every stale parameter in one flat buffer before the forward,
-        :class:`~autoparallel.codegen.zero.ZeroState`); the latency is paid once per group
-        (:meth:`zero_gather_latency`)."""
+        """Seconds of gathering ``nbytes`` of a ZeRO parameter (its whole local tensor) from its
+        optimizer shards over ``axes``, once per step and exposed, as the module runs it before
+        the forward (:class:`~autoparallel.codegen.zero.ZeroState`): the all-gather's bandwidth
+        term (its latency is paid once per group, :meth:`zero_gather_latency`) and the copies
+        around it at the device's memory bandwidth (the shard into the bucket and into its own
+        place among the gathered, ``4·shard`` bytes read and written, then the gathered into the
+        whole copy, ``2·nbytes``)."""
         group = self.zero_group(axes)
-        return self.cm.collective_time("all_gather", group, nbytes) - self.zero_gather_latency(group)
+        shard = nbytes / math.prod(self.mesh.shape[a] for a in axes)
+        copies = (4 * shard + 2 * nbytes) / self.cm.device.mem_bw
+        return self.cm.collective_time("all_gather", group, nbytes) - self.zero_gather_latency(group) + copies
 
     def zero_gather_latency(self, group: int | None) -> float:
         """Seconds of an empty all-gather over ``group`` (a mesh axis, ``None``: the world)."""
