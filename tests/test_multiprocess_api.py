@@ -94,8 +94,9 @@ def _non_tensor_arguments(autoparallel, mesh, rank):
 
 
 def _sharded_optimizer_states(autoparallel, mesh, rank):
-    """ZeRO-1 through real c10d (gloo's broadcasts gather the updated shards): the loss and every
-    parameter equal the single-device model's after two SGD steps (AdamW's update of a near-zero gradient
+    """ZeRO-1 through real c10d (gloo's broadcasts gather the updated shards): the loss, the
+    gradient norm torch's ``clip_grad_norm_`` takes over the shards, and every parameter equal the
+    single-device model's after two clipped SGD steps (AdamW's update of a near-zero gradient
     turns on its rounding)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -115,14 +116,17 @@ def _sharded_optimizer_states(autoparallel, mesh, rank):
     assert pmodel.plan.state_placements
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref))
     for _ in range(2):
-        losses = []
+        losses, norms = [], []
         for m, o in ((pmodel, opt), (ref, ref_opt)):
             o.zero_grad()
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # over the shards' gradients
+            norms.append(float(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm))
             o.step()
             losses.append(float(loss))
         torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(*norms, rtol=1e-4, atol=1e-5)
     got = dict(pmodel.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name].full_tensor(), p.detach(), rtol=1e-4, atol=1e-5)

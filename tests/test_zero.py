@@ -102,3 +102,26 @@ def test_sharded_states_train_exactly(sim_mesh, mesh_shape):
         pmodel.load_state_dict(fresh)
         ref.load_state_dict(fresh)
     train_side_by_side(ref, pmodel, batches[:1], ranks)
+
+
+def test_sharded_states_counted_by_the_memory_model():
+    """Under a ZeRO strategy a parameter holds its whole copy and its shard, its gradient is whole
+    (the bucket) and a shard, and each optimizer state is a shard."""
+    from autoparallel.solver.memory import MemoryModel
+    from autoparallel.strategies import StrategyGenerator
+    from autoparallel.strategies.zero import with_zero
+    from autoparallel.tracer import ColoTracer
+    from models import TwoLinear
+
+    traced = ColoTracer().trace(TwoLinear(), (torch.empty(128, 64, device="meta"),))
+    gen = StrategyGenerator((4,))
+    strategies = with_zero(gen.generate(traced.gm), (4,))
+    w = next(n for n in traced.gm.graph.nodes if n.op == "get_attr" and n.target == "w2")
+    plain = next(s for s in strategies[w] if s.outputs[0] == (Replicate(),) and not s.zero)
+    zero = next(s for s in strategies[w] if s.outputs[0] == (Replicate(),) and s.zero == (0,))
+    model = MemoryModel(traced.gm, gen.aliases, (4,), traced_on=traced.device)
+    whole = 64 * 32 * 4
+    for kind, want in (("parameters", whole + whole // 4), ("gradients", whole + whole // 4),
+                       ("optimizer", 2 * whole // 4)):
+        assert [it.bytes({w: zero}) for it in model.items if it.owner is w and it.kind == kind] == [want], kind
+    assert [it.bytes({w: plain}) for it in model.items if it.owner is w and it.kind == "optimizer"] == [2 * whole]
