@@ -339,6 +339,9 @@ class Plan:
             for parameters whose optimizer states are sharded over axes that replicate them
             for compute (ZeRO stage 1, :mod:`autoparallel.strategies.zero`; the module's
             ``nn.Parameter`` is that shard); empty in plans saved without the field.
+        sharded_gradients: names in ``state_placements`` whose gradient is reduce-scattered
+            onto the shard instead of all-reduced whole (ZeRO stage 2); every axis replicating
+            such a parameter splits its state.
         pipeline: the pipeline stages (:class:`~autoparallel.pipeline_plan.PipelinePlan`), or
             ``None`` (also in plans saved without the field). When set, ``mesh`` is one stage's
             submesh and the graph planned is one microbatch's.
@@ -358,6 +361,7 @@ class Plan:
     offloaded: tuple[str, ...] = ()
     pipeline: PipelinePlan | None = None
     state_placements: dict[str, Spec] = field(default_factory=dict)
+    sharded_gradients: tuple[str, ...] = ()
 
     @property
     def collectives(self) -> list[dict]:
@@ -438,6 +442,7 @@ class Plan:
             "offloaded": list(self.offloaded),
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "state_placements": {k: spec_to_json(v) for k, v in self.state_placements.items()},
+            "sharded_gradients": list(self.sharded_gradients),
         })
 
     @classmethod
@@ -458,7 +463,7 @@ class Plan:
             d["redistributions"] = d.pop("conversions")  # its name in plans saved before the rename
         _fields(d, _PLAN_FIELDS, "plan",
                 optional=("checkpoint", "outputs", "mp_policy", "inspection", "inputs", "offloaded",
-                          "pipeline", "state_placements"))
+                          "pipeline", "state_placements", "sharded_gradients"))
         try:
             mp_policy = precision.policy_from_json(d.get("mp_policy"))
         except ValueError as e:
@@ -499,6 +504,11 @@ class Plan:
         _check(isinstance(offloaded, list) and all(isinstance(k, str) and k in params for k in offloaded), "plan",
                "offloaded", "a list of names in param_placements", offloaded)
         states = _state_placements(d.get("state_placements", {}), params, mesh)
+        scattered = d.get("sharded_gradients", [])
+        _check(isinstance(scattered, list) and all(isinstance(k, str) and k in states and all(
+            p != R or n == 1 or q != p for p, q, n in zip(params[k], states[k], mesh.shape)) for k in scattered),
+            "plan", "sharded_gradients", "a list of names in state_placements whose state splits every axis "
+            "that replicates them", scattered)
         checkpoint = d.get("checkpoint", {})
         _check(isinstance(checkpoint, dict), "plan", "checkpoint", "an object", checkpoint)
         checkpoint = CheckpointPlan.from_json(checkpoint) if checkpoint else None
@@ -508,7 +518,8 @@ class Plan:
             estimate, stats, inspection = from_old_layout(estimate, stats, recompute)
         return cls(mesh, nodes, redistributions, params, Estimate.from_json(estimate), SolverStats.from_json(stats),
                    checkpoint, outputs, mp_policy, Inspection.from_json(inspection), inputs, tuple(offloaded),
-                   PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") is not None else None, states)
+                   PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") is not None else None, states,
+                   tuple(scattered))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_json() == other.to_json()
@@ -520,7 +531,8 @@ _NODE_FIELDS = ("name", "op", "module_path", "in_shapes", "out_shapes", "input_s
                 "compute_s", "comm_s", "memory_bytes")
 _REDISTRIBUTION_FIELDS = ("src", "src_index", "dst", "arg", "shape", "moves", "cost_s")
 _PLAN_FIELDS = ("mesh", "nodes", "redistributions", "param_placements", "estimate", "solver_stats", "checkpoint",
-                "outputs", "mp_policy", "inspection", "inputs", "offloaded", "pipeline", "state_placements")
+                "outputs", "mp_policy", "inspection", "inputs", "offloaded", "pipeline", "state_placements",
+                "sharded_gradients")
 _CHECKPOINT_FIELDS = ("stages", "regions", "table", "recompute_s", "chain_peak_bytes", "every_stage")
 _SUMMARY_FIELDS = ("stages", "modules", "nodes", "saved_bytes", "recompute_s")
 

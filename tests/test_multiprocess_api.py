@@ -94,42 +94,49 @@ def _non_tensor_arguments(autoparallel, mesh, rank):
 
 
 def _sharded_optimizer_states(autoparallel, mesh, rank):
-    """ZeRO-1 through real c10d (gloo's broadcasts gather the updated shards): the loss, the
-    gradient norm torch's ``clip_grad_norm_`` takes over the shards, and every parameter equal the
-    single-device model's after two clipped SGD steps (AdamW's update of a near-zero gradient
-    turns on its rounding)."""
+    """ZeRO stages 1 and 2 through real c10d (gloo's broadcasts gather the updated shards; stage 2
+    reduce-scatters the gradients): the loss, the gradient norm torch's ``clip_grad_norm_`` takes
+    over the shards, and every parameter equal the single-device model's after two clipped SGD
+    steps (AdamW's update of a near-zero gradient turns on its rounding)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     class SlowStep(autoparallel.CostModel):  # a step of a microsecond per element: sharding it pays
         def optimizer_step_time(self, numel, *args, **kwargs):
             return super().optimizer_step_time(numel, *args, **kwargs) + numel * 1e-6
 
+    class SlowScatter(SlowStep):  # a reduce-scatter at a nanosecond a byte: the gradient all-reduced
+        def collective_time(self, kind, axis, nbytes):
+            t = super().collective_time(kind, axis, nbytes)
+            return t + nbytes * 1e-9 if kind == "reduce_scatter" else t
+
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    ref0 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
     meta = {k: torch.empty(4, 8, dtype=torch.long, device="meta") for k in ("input_ids", "labels")}
-    kw = dict(cost_model=SlowStep("cpu"), cache_dir=False)
-    free = autoparallel.plan(ref, meta, mesh_shape=(WORLD,), **kw)
-    pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh,
-                                          memory_budget=int(0.9 * free.estimate.peak_memory_bytes), **kw)
-    assert pmodel.plan.state_placements
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref))
-    for _ in range(2):
-        losses, norms = [], []
-        for m, o in ((pmodel, opt), (ref, ref_opt)):
-            o.zero_grad()
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # over the shards' gradients
-            norms.append(float(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm))
-            o.step()
-            losses.append(float(loss))
-        torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(*norms, rtol=1e-4, atol=1e-5)
-    got = dict(pmodel.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].full_tensor(), p.detach(), rtol=1e-4, atol=1e-5)
+    for cost_model, stage2 in ((SlowScatter("cpu"), False), (SlowStep("cpu"), True)):
+        ref = copy.deepcopy(ref0)
+        kw = dict(cost_model=cost_model, cache_dir=False)
+        free = autoparallel.plan(ref, meta, mesh_shape=(WORLD,), **kw)
+        pmodel = autoparallel.autoparallelize(copy.deepcopy(ref), meta, device_mesh=mesh,
+                                              memory_budget=int(0.9 * free.estimate.peak_memory_bytes), **kw)
+        assert pmodel.plan.state_placements and bool(pmodel.plan.sharded_gradients) == stage2
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref))
+        for _ in range(2):
+            losses, norms = [], []
+            for m, o in ((pmodel, opt), (ref, ref_opt)):
+                o.zero_grad()
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # over the shards' gradients
+                norms.append(float(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm))
+                o.step()
+                losses.append(float(loss))
+            torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(*norms, rtol=1e-4, atol=1e-5)
+        got = dict(pmodel.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name].full_tensor(), p.detach(), rtol=1e-4, atol=1e-5)
 
 
 def _worker(rank: int) -> None:

@@ -330,10 +330,11 @@ class _PerDeviceGraph:
             since = _tail(self.graph)
             members = [attrs[m] for m in b.members]
             cast = b.dtype != b.members[0].meta["val"].dtype  # reduced in a mixed-precision policy's dtype
-            bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *members),
-                                              {"reduce_dtype": b.dtype} if cast else {})
+            kwargs = ({"reduce_dtype": b.dtype} if cast else {}) | ({"scatter": True} if b.scatter else {})
+            bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *members), kwargs)
+            how = "reduce-scattered onto their optimizer shards" if b.scatter else "all-reduced"
             self.comment(since, f"gradients of these {len(b.members)} parameters ({units.nbytes(b.nbytes)}"
-                                f"{f' in {b.dtype}' if cast else ''}): all-reduced over "
+                                f"{f' in {b.dtype}' if cast else ''}): {how} over "
                                 f"{', '.join(g.name for g in groups)} during the backward")
             for i, m in enumerate(b.members):
                 self.env[m] = self.graph.call_function(operator.getitem, (bucket, i))

@@ -35,12 +35,15 @@ class GradBucket:
         members: their ``get_attr`` nodes in the traced graph, in reverse order of first use.
         nbytes: bytes of the flat gradient buffer on one device, in ``dtype``.
         dtype: the dtype the buffer is all-reduced in (the parameters' own without a policy).
+        scatter: the gradients are reduce-scattered onto the parameters' optimizer shards
+            instead (ZeRO stage 2: ``Plan.sharded_gradients``).
     """
 
     axes: tuple[int, ...]
     members: list[fx.Node]
     nbytes: int
     dtype: torch.dtype
+    scatter: bool = False
 
 
 def _local_nbytes(node: fx.Node, spec, mesh_shape, dtype: torch.dtype) -> int:
@@ -74,6 +77,7 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
 
     params = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in param_targets
               and n.meta["autoparallel"].requires_grad]
+    scattered = set(plan.sharded_gradients)
     open_: dict[tuple, GradBucket] = {}
     done: list[GradBucket] = []
     for node in sorted(params, key=first_use, reverse=True):
@@ -84,13 +88,14 @@ def grad_buckets(gm: fx.GraphModule, plan: Plan, param_targets: set[str],
         dtype = node.meta["val"].dtype
         reduced_in = reduce_in if reduce_in is not None and dtype.is_floating_point else dtype
         nbytes = _local_nbytes(node, spec, ms, reduced_in)
-        key = (axes, dtype, reduced_in, (stage_of or {}).get(node.name, 0))
+        scatter = node.target in scattered
+        key = (axes, dtype, reduced_in, (stage_of or {}).get(node.name, 0), scatter)
         b = open_.get(key)
         if b is not None and b.nbytes + nbytes > bucket_cap_bytes:
             done.append(open_.pop(key))
             b = None
         if b is None:
-            b = open_[key] = GradBucket(axes, [], 0, reduced_in)
+            b = open_[key] = GradBucket(axes, [], 0, reduced_in, scatter)
         b.members.append(node)
         b.nbytes += nbytes
     return done + list(open_.values())

@@ -127,27 +127,30 @@ def _accumulated(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 class _BucketReduction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, groups, reduce_dtype, *params):
-        ctx.groups, ctx.reduce_dtype, ctx.sync = groups, reduce_dtype, _SYNC[-1]
+    def forward(ctx, groups, reduce_dtype, scatter, *params):
+        ctx.groups, ctx.reduce_dtype, ctx.scatter, ctx.sync = groups, reduce_dtype, scatter, _SYNC[-1]
         ctx.params = params
         return tuple(p.to_local() if isinstance(p, DTensor) else p.detach() for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        params = ctx.params
+        params, none = ctx.params, (None, None, None)
         sync = ctx.sync if ctx.sync is not None else _SYNC[-1]  # None in the forward: the backward's choice
         if sync == AFTER_STEP:
             _AFTER_STEP[id(params[0])] = (ctx.groups, ctx.reduce_dtype, params)
-            return (None, None, *(_as_grad_of(p, g) for p, g in zip(params, grads)))
+            return (*none, *(_as_grad_of(p, g) for p, g in zip(params, grads)))
         if sync is False:  # no_sync: this device's partial sums, reduced by a later backward
             for p, g in zip(params, grads):
                 _add_grad(p, g)
                 _UNSYNCED[p] = True
-            return (None,) * (2 + len(params))
+            return (*none, *(None,) * len(params))
         if _UNSYNCED:
             grads = tuple(_accumulated(p, g) for p, g in zip(params, grads))
         world = _world_group(ctx.groups)
         first, rest = (world, ()) if world is not None else (ctx.groups[0], ctx.groups[1:])
+        if ctx.scatter:
+            _reduce_scatter_onto_shards(params, grads, first, ctx.reduce_dtype)
+            return (*none, *(None,) * len(params))
         grad_dtype = grads[0].dtype
         same_dtype = ctx.reduce_dtype in (None, grad_dtype)
         flat = torch.cat([g.reshape(-1) for g in grads], out=_reusable_buffer(params, grads) if same_dtype else None)
@@ -164,7 +167,29 @@ class _BucketReduction(torch.autograd.Function):
                 _add_reduced(p, piece.view(shape))
 
         torch.autograd.Variable._execution_engine.queue_callback(finish)
-        return (None,) * (2 + len(params))
+        return (*none, *(None,) * len(params))
+
+
+def _reduce_scatter_onto_shards(params, grads, group: str, reduce_dtype) -> None:
+    """ZeRO stage 2: the gradients of whole copies ``params`` reduce-scattered over ``group`` (the
+    process group their shards are cut over, :func:`shard_gradient`) as one flat buffer laid out
+    device by device (every parameter's piece for device 0, then for device 1, ...), launched now
+    and waited when the backward ends, each device's piece added into its shard's ``.grad``."""
+    shards = [_SHARD_OF[p] for p in params]
+    pieces = shards[0][2]
+    grad_dtype = grads[0].dtype
+    flat = torch.cat([g.unflatten(dim, (pieces, -1)).select(dim, r).reshape(-1)
+                      for r in range(pieces) for g, (_, dim, _, _) in zip(grads, shards)])
+    flat = per_rank(flat if reduce_dtype in (None, grad_dtype) else flat.to(reduce_dtype))
+    pending = _c10d.reduce_scatter_tensor(flat, "sum", pieces, group)  # launched; waited by finish()
+
+    def finish():
+        out = _c10d.wait_tensor(pending).to(grad_dtype)
+        sizes = [g.numel() // pieces for g in grads]
+        for (shard, _, _, _), piece in zip(shards, torch.split(out, sizes)):
+            _add_grad(shard, piece.view(shard._local_tensor.shape))
+
+    torch.autograd.Variable._execution_engine.queue_callback(finish)
 
 
 def _as_grad_of(p: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
@@ -230,7 +255,7 @@ def _reusable_buffer(params, grads) -> torch.Tensor | None:
 
 
 def reduce_grads_in_bucket(groups: tuple[str, ...], *params: torch.Tensor,
-                           reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                           reduce_dtype: torch.dtype | None = None, scatter: bool = False) -> tuple[torch.Tensor, ...]:
     """The local tensors of ``params`` (DTensor parameters replicated along the mesh axes
     whose process groups are ``groups``, all of one dtype); in the backward, their
     gradients are all-reduced (sum) over ``groups`` as one flat buffer launched as soon as
@@ -244,11 +269,14 @@ def reduce_grads_in_bucket(groups: tuple[str, ...], *params: torch.Tensor,
         reduce_dtype: the dtype the flat buffer is all-reduced in (a mixed-precision policy's
             reduce dtype, :func:`autoparallel.precision.reduce_dtype`); the sum is cast back
             to the gradients' dtype before it is added into ``.grad``. ``None``: their own.
+        scatter: the parameters are whole copies of ZeRO-2 parameters (:func:`shard_gradient`):
+            their gradients are reduce-scattered over ``groups`` (one group, or axes spanning
+            the world) onto the shards instead (:func:`_reduce_scatter_onto_shards`).
 
     Returns:
         one local tensor per parameter, an autograd leaf of this bucket.
     """
-    return _BucketReduction.apply(tuple(groups), reduce_dtype, *params)
+    return _BucketReduction.apply(tuple(groups), reduce_dtype, scatter, *params)
 
 
 def sum_over_axes(x: torch.Tensor, groups: tuple[str, ...]) -> torch.Tensor:

@@ -45,7 +45,7 @@ def make_plan(pricing: Pricing, choice: dict[fx.Node, Strategy], edges, param_na
     """
     nodes = _node_plans(pricing, choice)
     redistributions = _redistributions(pricing, choice, edges, nodes)
-    params, offloaded, states = {}, [], {}
+    params, offloaded, states, scattered = {}, [], {}, []
     for node in pricing.nodes:
         if node.op == "get_attr" and node.target in param_names:
             for name in param_names[node.target]:
@@ -54,9 +54,11 @@ def make_plan(pricing: Pricing, choice: dict[fx.Node, Strategy], edges, param_na
                     offloaded.append(name)
                 if choice[node].zero:
                     states[name] = state_spec_of(node, choice[node], pricing.mesh.shape)
+                if choice[node].zero_grad:
+                    scattered.append(name)
     estimate = _estimate(pricing, choice, nodes, redistributions, params, memory, bool(states))
     return Plan(pricing.mesh, nodes, redistributions, params, estimate, outputs=pricing.outputs,
-                offloaded=tuple(offloaded), state_placements=states)
+                offloaded=tuple(offloaded), state_placements=states, sharded_gradients=tuple(scattered))
 
 
 def _node_plans(pricing: Pricing, choice: dict[fx.Node, Strategy]) -> dict[str, NodePlan]:

@@ -14,7 +14,8 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
 * optimizer states, whole step: ``OPTIMIZER_STATES[optimizer]`` tensors the size of each
   trainable parameter (Adam/AdamW: two; SGD with momentum: one; SGD: none), or of its shard
   where the states are sharded (ZeRO stage 1, :mod:`autoparallel.strategies.zero`: the shard
-  the optimizer steps and its gradient are held beside the whole parameter and gradient);
+  the optimizer steps and its gradient are held beside the whole parameter and gradient; under
+  stage 2 the shard's gradient alone);
 * forward values (temporaries), from their node's forward step to their last forward use;
 * activations saved for backward, from the forward of their first saver to the backward
   of that saver (savers run backward in reverse order, so the first is the last to
@@ -525,8 +526,9 @@ class MemoryModel:
                 state = self._state_size(u, size)
                 held = (lambda s, f=size, g=state: f(s) + (g(s) if s.zero else 0))  # a ZeRO shard beside the whole
                 items.append(Item("parameters", u, 0, back, held))
-                if info.requires_grad:
-                    items.append(Item("gradients", u, back - end, back, held))
+                if info.requires_grad:  # under ZeRO-2 the shard's gradient alone
+                    grad = (lambda s, f=held, g=state: g(s) if s.zero_grad else f(s))
+                    items.append(Item("gradients", u, back - end, back, grad))
                     first = min((step[c] for c in u.users if c in step), default=None)
                     if first is not None:
                         items.append(Item("buffers", u, back - first, back - first, self._bucket_size(size)))

@@ -223,11 +223,16 @@ class Pricing:
         replicates it along, which the runtime launches during the backward
         (:mod:`autoparallel.runtime_kernels.grad_reduction`), and over the further such axes,
         reduced after the backward; when those axes together span the world, one all-reduce
-        over the world, launched (:meth:`_spans_world`). ``(0, 0)`` for other nodes."""
+        over the world, launched (:meth:`_spans_world`); under ZeRO stage 2 the reduce-scatter
+        over the state's axes instead, launched. ``(0, 0)`` for other nodes."""
         if node.name not in self.grad_params:
             return 0.0, 0.0
         shape, dtype = node_info(node).outputs[0]
         nbytes = _local_bytes(shape, self.reduce_dtype or dtype, s.outputs[0], self.mesh.shape)
+        if s.zero_grad:  # reduce-scattered onto the shard over the state's axes: all of its replicated ones
+            group = self.zero_group(s.zero)
+            rs = self.cm.collective_time("reduce_scatter", group, nbytes) - self.cm.collective_time("reduce_scatter", group, 0)
+            return rs, 0.0
         if self._spans_world(s.outputs[0]):
             return self.cm.grad_reduction_time(None, nbytes), 0.0
         times = [self.cm.grad_reduction_time(a, nbytes) for a, p in enumerate(s.outputs[0])

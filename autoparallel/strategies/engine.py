@@ -51,6 +51,8 @@ class Strategy:
         zero: for a trainable parameter replicated along mesh axes, the axes over which its
             optimizer states are sharded while compute reads it whole (ZeRO stage 1,
             :mod:`autoparallel.strategies.zero`); ``()``: not sharded.
+        zero_grad: with ``zero``, the gradient is reduce-scattered onto the shard instead of
+            all-reduced whole (ZeRO stage 2).
     """
 
     inputs: tuple[Spec, ...]
@@ -58,6 +60,7 @@ class Strategy:
     split: int | float = 1
     offload: bool = False
     zero: tuple[int, ...] = ()
+    zero_grad: bool = False
 
 
 @dataclass

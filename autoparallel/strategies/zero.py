@@ -12,7 +12,9 @@ Training Trillion Parameter Models", SC 2020, §5.1: optimizer-state partitionin
 of the updated parameters after the step), and what ``torch.distributed.optim.
 ZeroRedundancyOptimizer`` does beside DDP, chosen per parameter and over the axes the planner
 picks. It saves ``(1 − 1/n)`` of the optimizer states and of the step's time for one all-gather
-of the parameter per step.
+of the parameter per step. Stage 2 (§5.2, ``Strategy.zero_grad``) also reduce-scatters the
+gradient onto the shard instead of all-reducing it whole: half the bytes of a ring all-reduce
+and a shard's gradient held instead of the whole one.
 
 Which axes: those of more than one device that the strategy replicates the parameter along,
 when they are one process group: a single axis, or all of them when they span the world
@@ -72,16 +74,21 @@ def state_spec_of(node: fx.Node, s: Strategy, mesh_shape) -> Spec:
 
 
 def with_zero(strategies: dict[fx.Node, list[Strategy]], mesh_shape) -> dict[fx.Node, list[Strategy]]:
-    """``strategies`` with, for every trainable parameter, a ZeRO twin of each of its strategies
+    """``strategies`` with, for every trainable parameter, ZeRO twins of each of its strategies
     per set of :func:`zero_axes` that has a :func:`zero_dim` (after them, so that indices of the
-    others are kept)."""
+    others are kept): stage 1, and stage 2 (``zero_grad``) where the axes are every axis that
+    replicates the parameter, so that the reduce-scatter over them is its gradient's whole
+    reduction."""
     out = {}
     for node, strats in strategies.items():
         if node.op == "get_attr" and node_info(node).requires_grad:
             shape = node_info(node).outputs[0][0]
-            twins = [dataclasses.replace(s, zero=axes) for s in strats if not s.zero and not s.offload
+            twins = [dataclasses.replace(s, zero=axes, zero_grad=stage2) for s in strats
+                     if not s.zero and not s.offload
                      for axes in zero_axes(s.outputs[0], mesh_shape)
-                     if zero_dim(shape, s.outputs[0], mesh_shape, axes) is not None]
+                     if zero_dim(shape, s.outputs[0], mesh_shape, axes) is not None
+                     for stage2 in (False, True)
+                     if not stage2 or axes == tuple(_replicating_axes(s.outputs[0], mesh_shape))]
             strats = list(strats) + twins
         out[node] = strats
     return out
