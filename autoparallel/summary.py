@@ -193,6 +193,9 @@ def _memory(plan: "Plan") -> str:
     if plan.state_placements:
         line += (f"; {len(plan.state_placements)} parameters with optimizer states sharded (ZeRO-1: each device "
                  "steps its shard, all-gathered after the step)")
+        if plan.sharded_gradients:
+            line += f", {len(plan.sharded_gradients)} of them with gradients reduce-scattered onto it (ZeRO-2)"
+
     return line
 
 
@@ -307,7 +310,8 @@ def _parameters(plan: "Plan") -> str:
             continue
         where = " in host memory" if names[0] in plan.offloaded else ""
         if names[0] in plan.state_placements:
-            where += f", states {named(plan, plan.state_placements[names[0]])}"
+            grads = " and gradient" if names[0] in plan.sharded_gradients else ""
+            where += f", states{grads} {named(plan, plan.state_placements[names[0]])}"
         key = (key_name, named(plan, spec) + where, parameter_use(plan, node_name), tuple(node.out_shapes[0]),
                tuple(fold(t)[0] for t in names[1:]))
         if key not in groups:

@@ -179,24 +179,29 @@ class Pricing:
         """Seconds of gathering ``nbytes`` of a ZeRO parameter (its whole local tensor) from its
         optimizer shards over ``axes``, once per step and exposed, as the module runs it before
         the forward (:class:`~autoparallel.codegen.zero.ZeroState`): the all-gather's bandwidth
-        term (its latency is paid once per group, :meth:`zero_gather_latency`) and the copies
+        term (its latency is paid once per group, :meth:`zero_charges`) and the copies
         around it at the device's memory bandwidth (the shard into the bucket and into its own
         place among the gathered, ``4·shard`` bytes read and written, then the gathered into the
         whole copy, ``2·nbytes``)."""
         group = self.zero_group(axes)
         shard = nbytes / math.prod(self.mesh.shape[a] for a in axes)
         copies = (4 * shard + 2 * nbytes) / self.cm.device.mem_bw
-        return self.cm.collective_time("all_gather", group, nbytes) - self.zero_gather_latency(group) + copies
+        return self.cm.collective_time("all_gather", group, nbytes) - self.cm.collective_time("all_gather", group, 0) + copies
 
-    def zero_gather_latency(self, group: int | None) -> float:
-        """Seconds of an empty all-gather over ``group`` (a mesh axis, ``None``: the world)."""
-        return self.cm.collective_time("all_gather", group, 0)
+    def zero_charges(self, s: Strategy) -> list[tuple[str, int | None]]:
+        """The ``(collective, process group)`` latencies a ZeRO strategy shares with the others
+        of its group, once per step: the all-gather of the shards, and under stage 2 the
+        reduce-scatter of the gradients (their own buckets)."""
+        if not s.zero:
+            return []
+        group = self.zero_group(s.zero)
+        return [("all_gather", group)] + ([("reduce_scatter", group)] if s.zero_grad else [])
 
     def zero_latencies(self, choice: dict[fx.Node, Strategy]) -> float:
-        """The all-gather latencies a strategy choice pays once per step: one per process group
-        that some ZeRO parameter is gathered over (the ILP's fixed charges price the same)."""
-        groups = {self.zero_group(s.zero) for s in choice.values() if s.zero}
-        return sum(self.zero_gather_latency(g) for g in groups)
+        """The latencies of :meth:`zero_charges` a strategy choice pays, each once (the ILP's
+        fixed charges price the same)."""
+        charges = {c for s in choice.values() for c in self.zero_charges(s)}
+        return sum(self.cm.collective_time(kind, g, 0) for kind, g in charges)
 
     def dtensor_overhead(self) -> float:
         """Seconds the optimizer step adds to :meth:`optimizer_time`'s sum when the module
@@ -342,7 +347,7 @@ class Pricing:
                 g, c = self.launch_term(node, s)
                 launches[k][0] += g
                 launches[k][1] += c
-        groups = {g for p in self.nodes if p.name in self.grad_params
+        groups = {g for p in self.nodes if p.name in self.grad_params and not choice[p].zero_grad
                   for g in self.reduction_groups(choice[p].outputs[0])}
         latency = sum(self.latency(g) for g in groups)
         return total + latency, total - hidden + exposed_comm_time(launches) + latency

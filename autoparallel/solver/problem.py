@@ -201,8 +201,8 @@ def _latency_charges(pricing: Pricing, built: GroupedProblem) -> list[FixedCharg
         for node in pricing.nodes:
             if node.name in pricing.grad_params:
                 t = built.template[node]
-                ks = [i for i, si in enumerate(built.fmap[t])
-                      if group in pricing.reduction_groups(built.strategies[t][si].outputs[0])]
+                ks = [i for i, si in enumerate(built.fmap[t]) if not built.strategies[t][si].zero_grad
+                      and group in pricing.reduction_groups(built.strategies[t][si].outputs[0])]
                 if ks:
                     strategies[built.group[built.root[t]]] = ks
         if strategies:
@@ -211,21 +211,19 @@ def _latency_charges(pricing: Pricing, built: GroupedProblem) -> list[FixedCharg
 
 
 def _zero_charges(pricing: Pricing, built: GroupedProblem) -> list[FixedCharge]:
-    """One all-gather latency per process group that some ZeRO parameter's shards are
-    gathered over after the step (:meth:`~autoparallel.solver.pricing.Pricing.zero_group`;
-    one flat all-gather per group), as ILP fixed charges over the strategies that gather there."""
-    by_group: dict[int | None, dict[int, list[int]]] = {}
+    """The latencies ZeRO parameters share, once per step per collective and process group
+    (:meth:`~autoparallel.solver.pricing.Pricing.zero_charges`: the shards' all-gather after the
+    step, stage 2's reduce-scatter), as ILP fixed charges over the strategies that pay them."""
+    by_charge: dict[tuple, dict[int, list[int]]] = {}
     for node in pricing.nodes:
         if node.name not in pricing.grad_params:
             continue
         t = built.template[node]
         for i, si in enumerate(built.fmap[t]):
-            s = built.strategies[t][si]
-            if s.zero:
-                ks = by_group.setdefault(pricing.zero_group(s.zero), {}).setdefault(built.group[built.root[t]], [])
-                ks.append(i)
-    return [FixedCharge(pricing.zero_gather_latency(g), {k: sorted(set(v)) for k, v in strategies.items()})
-            for g, strategies in by_group.items()]
+            for charge in pricing.zero_charges(built.strategies[t][si]):
+                by_charge.setdefault(charge, {}).setdefault(built.group[built.root[t]], []).append(i)
+    return [FixedCharge(pricing.cm.collective_time(kind, g, 0), {k: sorted(set(v)) for k, v in strategies.items()})
+            for (kind, g), strategies in by_charge.items()]
 
 
 def _dtensor_charge(pricing: Pricing, built: GroupedProblem, state_nodes) -> list[FixedCharge]:
