@@ -113,7 +113,7 @@ def _all_gather(mine: torch.Tensor, pieces: int, group: str) -> torch.Tensor:
     """``mine`` of every device of ``group`` (``pieces`` of them), concatenated in the group's
     rank order. On gloo as one broadcast from each device, launched together: gloo's all-gather
     of 16 MiB per device over 4 processes took 157 ms where the four broadcasts took 47 ms
-    (docs/design.md, "ZeRO stage 1 per parameter"); elsewhere (NCCL, simulated ranks) one
+    (docs/design.md, "ZeRO stages 1 and 2 per parameter"); elsewhere (NCCL, simulated ranks) one
     all-gather."""
     if local_tensor_mode() is not None:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(mine, pieces, group))
