@@ -73,9 +73,9 @@ class PlanOptions:
             stepped there (:mod:`autoparallel.strategies.offload`); ``False``: never.
         zero: when the fastest plan does not fit ``memory_budget``, let parameters replicated
             along mesh axes shard their optimizer states (and the shard the optimizer steps)
-            over those axes, all-gathered after each step (ZeRO stage 1,
-            :mod:`autoparallel.strategies.zero`); ``False``: never. Not offered to pipeline
-            stages.
+            over those axes, all-gathered after each step (ZeRO stage 1), and their gradients
+            too, reduce-scattered (stage 2; :mod:`autoparallel.strategies.zero`); ``False``:
+            never. Not offered to pipeline stages.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'

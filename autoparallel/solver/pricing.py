@@ -126,7 +126,8 @@ class Pricing:
                 return update, comm + (2 if backward else 1) * self.cm.host_copy_time(out_bytes), 0
             if s.zero:  # the updated shards all-gathered once per step; the shard and its gradient held
                 shard = out_bytes // math.prod(ms[a] for a in s.zero)
-                return update, comm + (self.zero_gather(s.zero, out_bytes) if backward else 0.0), 2 * (out_bytes + shard)
+                gather = self.zero_gather(s.zero, out_bytes) if backward else 0.0
+                return update, comm + gather, 2 * (out_bytes + shard)
             return update, comm, out_bytes * (2 if info.requires_grad else 1)
         if node.op == "placeholder":
             return 0.0, 0.0, 0
@@ -186,7 +187,8 @@ class Pricing:
         group = self.zero_group(axes)
         shard = nbytes / math.prod(self.mesh.shape[a] for a in axes)
         copies = (4 * shard + 2 * nbytes) / self.cm.device.mem_bw
-        return self.cm.collective_time("all_gather", group, nbytes) - self.cm.collective_time("all_gather", group, 0) + copies
+        gather = self.cm.collective_time("all_gather", group, nbytes)
+        return gather - self.cm.collective_time("all_gather", group, 0) + copies
 
     def zero_charges(self, s: Strategy) -> list[tuple[str, int | None]]:
         """The ``(collective, process group)`` latencies a ZeRO strategy shares with the others
@@ -236,8 +238,8 @@ class Pricing:
         nbytes = _local_bytes(shape, self.reduce_dtype or dtype, s.outputs[0], self.mesh.shape)
         if s.zero_grad:  # reduce-scattered onto the shard over the state's axes: all of its replicated ones
             group = self.zero_group(s.zero)
-            rs = self.cm.collective_time("reduce_scatter", group, nbytes) - self.cm.collective_time("reduce_scatter", group, 0)
-            return rs, 0.0
+            rs = self.cm.collective_time("reduce_scatter", group, nbytes)
+            return rs - self.cm.collective_time("reduce_scatter", group, 0), 0.0
         if self._spans_world(s.outputs[0]):
             return self.cm.grad_reduction_time(None, nbytes), 0.0
         times = [self.cm.grad_reduction_time(a, nbytes) for a, p in enumerate(s.outputs[0])

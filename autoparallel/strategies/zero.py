@@ -1,4 +1,4 @@
-"""Optimizer states sharded over the axes that replicate a parameter: ZeRO stage 1, per parameter.
+"""Optimizer states and gradients sharded over the axes that replicate a parameter: ZeRO stages 1, 2.
 
 A trainable parameter that a strategy replicates along some mesh axes (data parallelism's
 layout there) may keep the whole parameter on every device of those axes for compute while its
