@@ -53,9 +53,9 @@ def _tight(model, batch, mesh_shape) -> int:
 
 
 def test_zero_axes_and_dims():
-    assert zero_axes((Replicate(), Replicate()), (2, 2)) == [(0,), (1,), (0, 1)]
+    assert zero_axes((Replicate(), Replicate()), (2, 2)) == [(0, 1)]  # the world's group
     assert zero_axes((Replicate(), Shard(0)), (2, 4)) == [(0,)]
-    assert zero_axes((Replicate(), Replicate()), (2, 4, 2)[:2]) == [(0,), (1,), (0, 1)]
+    assert zero_axes((Replicate(), Replicate(), Shard(0)), (2, 2, 2)) == [(0,), (1,)]  # not one group
     assert zero_axes((Shard(0),), (4,)) == [] and zero_axes((Replicate(),), (1,)) == []
     assert zero_dim((6, 8), (Replicate(),), (4,), (0,)) == 1  # 6 rows do not split in 4
     assert zero_dim((8, 6), (Replicate(), Shard(0)), (2, 2), (0,)) == 1  # dim 0 is the tensor-parallel one
@@ -87,12 +87,12 @@ def test_states_sharded_when_memory_is_short():
 
 @pytest.mark.parametrize("mesh_shape", [(2,), pytest.param((2, 2), marks=pytest.mark.slow)])
 def test_sharded_states_train_exactly(sim_mesh, mesh_shape):
-    """Loss and every gradient equal the single-device model's over three SGD steps, the optimizer
+    """Loss and every gradient equal the single-device model's over three SGD steps (two on 2 x 2), the optimizer
     stepping each shard and the whole copies gathered after every step; ``state_dict`` holds the
     shards, and loading a single-device state dict reaches the whole copies."""
     ref = _gpt2()
     model = copy.deepcopy(ref)
-    batches = [batch_for("gpt2", step, batch=4, seq=32) for step in range(3)]
+    batches = [batch_for("gpt2", step, batch=4, seq=32) for step in range(3 if len(mesh_shape) == 1 else 2)]
     budget = _tight(ref, batches[0], mesh_shape)
     ranks = frozenset(range(int(torch.tensor(mesh_shape).prod())))
     mesh = sim_mesh(mesh_shape)  # outside LocalTensorMode: a mesh made inside it nests the ranks' tensors
