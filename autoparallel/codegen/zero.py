@@ -1,4 +1,4 @@
-"""The whole copies that parameters with sharded optimizer states are computed with (ZeRO stage 1).
+"""The whole copies that parameters with sharded optimizer states are computed with (ZeRO stages 1, 2).
 
 A parameter the plan names in ``state_placements`` (:mod:`autoparallel.strategies.zero`) is,
 on the module, an ``nn.Parameter`` holding the shard the optimizer steps (a DTensor in the

@@ -50,7 +50,7 @@ from torch.distributed._local_tensor import local_tensor_mode
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .autograd import per_rank, reduced_output
+from .autograd import local_piece, per_rank, reduced_output
 
 _c10d = torch.ops._c10d_functional
 
@@ -88,7 +88,7 @@ def _add_reduced(p: torch.Tensor, grad: torch.Tensor) -> None:
         _add_grad(p, grad)
         return
     shard, dim, pieces, coord = target
-    _add_grad(shard, grad.unflatten(dim, (pieces, -1)).index_select(dim, coord).squeeze(dim))
+    _add_grad(shard, local_piece(grad, dim, pieces, coord))
 
 
 AFTER_STEP = "after_step"
