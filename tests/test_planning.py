@@ -176,15 +176,16 @@ def test_data_parallel_is_never_cheaper_than_the_search():
     assert auto.estimate.step_time_s <= dp.estimate.step_time_s * (1 + 1e-9)
 
 
-def test_lp_relaxation_fractional_falls_back_to_integer_solve():
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_lp_relaxation_fractional_falls_back_to_integer_solve(solver):
     # three nodes pairwise penalized for agreeing: the LP relaxation (all halves) costs 0,
     # any integral choice makes one pair agree
     agree = [[1.0, 0.0], [0.0, 1.0]]
     edges = [ILPEdge(0, 1, [0, 1], [0, 1], agree), ILPEdge(1, 2, [0, 1], [0, 1], agree),
              ILPEdge(0, 2, [0, 1], [0, 1], agree)]
-    sol = solve(ILPProblem([[0.0, 0.0]] * 3, edges, ["a", "b", "c"]))
+    sol = solve(ILPProblem([[0.0, 0.0]] * 3, edges, ["a", "b", "c"]), solver=solver)
     assert sol.objective == pytest.approx(1.0)
-    assert sol.stats["solver"] == "cbc" and sol.stats["status"] == "Optimal" and sol.stats["gap"] == 0.0
+    assert sol.stats["solver"] == solver and sol.stats["status"] == "Optimal" and sol.stats["gap"] == 0.0
 
 
 @pytest.mark.slow

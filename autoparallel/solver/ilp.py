@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -152,17 +154,42 @@ def _make_solver(name: str, time_limit: float):
     if name == "cbc":
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
     if name == "highs":
+        _quiet_highs_banner()
         return pulp.HiGHS(msg=False, timeLimit=time_limit)
     raise ValueError(f"unknown solver {name!r}; choose one of {SOLVERS}")
 
 
-def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0) -> ILPSolution:
+_BANNER_DONE = False
+
+
+def _quiet_highs_banner() -> None:
+    """HiGHS prints a banner to file descriptor 1 on the first ``highspy.Highs()`` of a process,
+    before pulp can turn its output off: that first one is made here with the descriptor on
+    ``/dev/null``."""
+    global _BANNER_DONE
+    if _BANNER_DONE:
+        return
+    import highspy
+
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    _BANNER_DONE = True
+
+
+def solve(problem: ILPProblem, *, solver: str = "highs", time_limit: float = 60.0) -> ILPSolution:
     """Pick one strategy per node minimizing node, resharding, exposed-communication and
     fixed-charge seconds (module docstring).
 
     Args:
         problem: the ILP description.
-        solver: ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (needs ``highspy``).
+        solver: ``"highs"`` (HiGHS through ``highspy``) or ``"cbc"`` (pulp's bundled CBC).
         time_limit: seconds the solver may run; the best solution found by then is used.
 
     Returns:
