@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 DUALITY_GAP = 0.01
 """Stage 1 stops once its fastest fitting plan is within this share of the Lagrangian lower
 bound (the best dual value so far): no plan within the budget can be faster by more. A 2-layer
-GPT-2 on (2, 2) with ZeRO twins under 0.9 of its fastest peak: 5 solves instead of 11, the plan
-0.2 % slower."""
+GPT-2 on (2, 2) with ZeRO twins under 0.9 of its fastest peak: 5 solves instead of 11, the same
+plan."""
 
 
 class MemorySearch:
@@ -65,13 +65,14 @@ class MemorySearch:
         the step time of the fastest plan per byte it is over budget, then ×4 until a plan
         fits (none, when ×4 lowers the bytes priced by less than 0.1 % of them without a new
         peak step priced: Llama-3-8B on 8 × 8 at 20 GiB, which only recomputation fits, ran all
-        12 solves per search at ×4 up to 7e4 s/GiB, the last four the same plan), then bisected (geometric mean; halved while none is known not to fit) until the
+        12 solves per search at ×4 up to 7e4 s/GiB, the last four the same plan), then bisected (geometric mean; quartered while none is known not to fit) until the
         largest price that does not fit is within 1.2× of the smallest that does, or after
         ``max_rounds`` solves; none when the bytes held at the fastest plan's peak step, each
         group's smallest summed (a lower bound on every plan's bytes there), are over the
         budget (DeepSeek-V3 on 64 × 8: 11 solves, 55 s, each peaking near 200 GiB of a 72 GiB
         budget before); the fastest fitting plan (by its unpenalized seconds) wins, and
-        one as fast as the fastest plan ends the search (kept as :attr:`fastest`). Each solve keeps the
+        one as fast as the fastest plan (kept as :attr:`fastest`) or within
+        :data:`DUALITY_GAP` of the best Lagrangian bound so far ends the search. Each solve keeps the
         unconstrained problem's shape (the penalty is a cost per group strategy), whose LP
         relaxation solves integral in about a second at Llama-3-8B scale; hard memory rows
         made CBC branch until its time limit (60 s per row added). A Lagrangian plan may be
