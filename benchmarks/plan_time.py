@@ -37,7 +37,7 @@ and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
     python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-70b-fp32,llama3-8b-3d,mixtral-8x7b,
                                            deepseek-v3,llama3-70b-pp,llama3-405b-pp,llama3-70b-pp-auto,
                                            llama3-405b-pp-auto]
-        [--solver cbc|highs] [--budget 40GiB]   # another budget for the LLM rows
+        [--solver highs|cbc] [--budget 40GiB]   # another solver (default highs), another budget for the LLM rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
         [--baselines]   # also price the recipe baselines (plan() leaves them out by default)
@@ -64,6 +64,7 @@ import transformers as T  # noqa: E402
 
 import autoparallel  # noqa: E402
 from autoparallel.recipes import recipes  # noqa: E402
+from autoparallel.solver.ilp import SOLVERS  # noqa: E402
 from autoparallel.summary import step_parts  # noqa: E402
 from autoparallel.tracer import capture  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
@@ -244,7 +245,8 @@ def memory_lines(plan) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    ap.add_argument("--solver", default=autoparallel.PlanOptions().solver, choices=list(SOLVERS),
+                    help="the ILP solver (default: the planner's)")
     ap.add_argument("--no-share", action="store_true", help="also plan without block sharing")
     ap.add_argument("--no-stamp", action="store_true", help="trace every layer (no layer stamping)")
     ap.add_argument("--budget", default=None, help="memory budget of the LLM rows (default: the device's)")
