@@ -45,7 +45,7 @@ class PlanOptions:
             :func:`~autoparallel.plan`; for :func:`~autoparallel.autoparallelize` the
             mesh it runs on, measured on first use (:func:`autoparallel.profile_mesh`).
         strict: raise on ops without a sharding rule instead of replicating them.
-        solver: the ILP solver, ``"highs"`` (HiGHS, the default) or ``"cbc"`` (the CBC pulp ships).
+        solver: the ILP solver, ``"cbc"`` or ``"highs"``.
         time_limit: seconds the ILP solver may take (positive, finite).
         parallelism: ``"auto"`` (search everything), ``"data"`` (parameters replicated:
             plain data parallelism under the same cost model) or ``"fsdp"`` (parameters
@@ -116,7 +116,7 @@ class PlanOptions:
 
     cost_model: CostModel | None = None
     strict: bool = False
-    solver: str = "highs"
+    solver: str = "cbc"
     time_limit: float = 60.0
     parallelism: str = "auto"
     share_layers: bool = True

@@ -183,13 +183,13 @@ def _quiet_highs_banner() -> None:
     _BANNER_DONE = True
 
 
-def solve(problem: ILPProblem, *, solver: str = "highs", time_limit: float = 60.0) -> ILPSolution:
+def solve(problem: ILPProblem, *, solver: str = "cbc", time_limit: float = 60.0) -> ILPSolution:
     """Pick one strategy per node minimizing node, resharding, exposed-communication and
     fixed-charge seconds (module docstring).
 
     Args:
         problem: the ILP description.
-        solver: ``"highs"`` (HiGHS through ``highspy``) or ``"cbc"`` (pulp's bundled CBC).
+        solver: ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (needs ``highspy``).
         time_limit: seconds the solver may run; the best solution found by then is used.
 
     Returns:

@@ -119,7 +119,7 @@ class Planner:
                     return False
         return True
 
-    def solve(self, *, solver: str = "highs", time_limit: float = 60.0, memory_budget: int | None = None,
+    def solve(self, *, solver: str = "cbc", time_limit: float = 60.0, memory_budget: int | None = None,
               checkpointing: str = "auto", max_rounds: int = 12, inspect: bool = True,
               built: GroupedProblem | None = None) -> Plan:
         """Solve for the fastest plan whose modelled peak memory fits ``memory_budget`` bytes.
