@@ -37,7 +37,7 @@ and the peak RSS of this process (``resource.getrusage``; target < 4 GiB).
     python benchmarks/plan_time.py [--rows gpt2-small,gpt2-xl,llama3-8b,llama3-70b,llama3-70b-fp32,llama3-8b-3d,mixtral-8x7b,
                                            deepseek-v3,llama3-70b-pp,llama3-405b-pp,llama3-70b-pp-auto,
                                            llama3-405b-pp-auto]
-        [--solver highs|cbc] [--budget 40GiB]   # another solver (default highs), another budget for the LLM rows
+        [--solver cbc|highs] [--budget 40GiB]   # another solver (default: the planner's, cbc), another budget for the LLM rows
         [--no-share]   # also plan without repeated-block sharing (ILP size before/after)
         [--no-stamp]   # capture every layer instead of tracing four and stamping the rest
         [--baselines]   # also price the recipe baselines (plan() leaves them out by default)
