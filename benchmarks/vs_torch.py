@@ -701,6 +701,7 @@ def pipeline_recipe(model, s, batch, mesh, dev, microbatches: int, schedule: str
     are all-reduced over ``dp`` after the schedule, in one flat buffer per stage, and averaged.
     The tied embedding/head weight's gradients are summed over the first and last stage (one
     all-reduce per ``dp`` coordinate)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -734,13 +735,11 @@ def pipeline_recipe(model, s, batch, mesh, dev, microbatches: int, schedule: str
     def reduce_over_dp():
         for st in stages:
             grads = [p.grad for p in st.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=mesh.get_group("dp"))
             flat /= dp
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
 
     def fwd_bwd():
         losses = []
