@@ -165,6 +165,7 @@ class Config:
     cache: str = "auto"
     """plan cache: auto ($AUTOPARALLEL_CACHE_DIR or ~/.cache/autoparallel), off, or a folder"""
     optimizer: Annotated[Literal[OPTIMIZERS], _arg("optimizer")] = _option("optimizer")
+    optimizer_foreach: Annotated[Union[bool, None], _arg("optimizer_foreach")] = _option("optimizer_foreach")
     solver: Annotated[Literal[SOLVERS], _arg("solver")] = _option("solver")
     time_limit: Annotated[float, _arg("time_limit")] = _option("time_limit")
     parallelism: Annotated[Literal[PARALLELISM], _arg("parallelism")] = _option("parallelism")

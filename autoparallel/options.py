@@ -22,7 +22,7 @@ from . import precision
 from .constraints import check_type as check_constraints_type
 from .pipeline_plan import SCHEDULES
 from .plan import INPUTS, OUTPUTS
-from .solver.costs import CostModel
+from .solver.costs import CostModel, optimizer_implementation
 from .solver.ilp import SOLVERS
 from .solver.memory import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, resolve_budget
 
@@ -78,6 +78,11 @@ class PlanOptions:
             never. Not offered to pipeline stages.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd_momentum"`` or ``"sgd"``: the optimizer
             whose states the memory model counts and whose step the estimate prices.
+        optimizer_foreach: the ``foreach=`` the optimizer is built with: ``True``, its foreach
+            implementation (one dispatch per tensor list; a whole state-sized list of
+            temporaries at the step), ``False``, the per-tensor loop, ``None``, what
+            ``torch.optim`` picks for ``device`` (foreach on CUDA, the loop on CPU:
+            :func:`~autoparallel.solver.costs.optimizer_implementation`).
         device: the device type the module runs on (``"cpu"``, ``"cuda"``): which kernels'
             saved tensors the memory model measures; :func:`~autoparallel.autoparallelize`
             sets the mesh's.
@@ -124,6 +129,7 @@ class PlanOptions:
     memory_budget: int | float | str | None = None
     checkpointing: str = "auto"
     optimizer: str = DEFAULT_OPTIMIZER
+    optimizer_foreach: bool | None = None
     device: str = "cpu"
     stamp_layers: bool = True
     outputs: str = "sharded"
@@ -167,6 +173,13 @@ class PlanOptions:
                 raise TypeError(f"{caller}() got an unknown option {key!r}{hint}")
         return dataclasses.replace(options or cls(), **keywords)
 
+    def optimizer_implementation(self) -> str:
+        """The optimizer's implementation the step is priced and counted for: ``"foreach"``
+        or ``"for-loop"`` (``optimizer_foreach``, else torch's default for ``device``)."""
+        if self.optimizer_foreach is None:
+            return optimizer_implementation(self.device)
+        return "foreach" if self.optimizer_foreach else "for-loop"
+
     def cache_key(self, budget) -> dict:
         """The options that change the plan, as JSON-ready values (``budget``: the resolved
         memory budget in bytes or ``None``). The cost model is keyed on its own
@@ -174,7 +187,7 @@ class PlanOptions:
         that finishes."""
         return {"strict": self.strict, "solver": self.solver, "parallelism": self.parallelism,
                "share_layers": self.share_layers, "memory_budget": budget, "optimizer": self.optimizer,
-               "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
+               "optimizer_foreach": self.optimizer_foreach, "device": self.device, "replicate_buffers": self.replicate_buffers, "outputs": self.outputs,
                "mp_policy": precision.policy_to_json(self.mp_policy), "baselines": self.baselines,
                "inputs": self.inputs, "checkpointing": self.checkpointing, "offload": self.offload,
                 "zero": self.zero, "pipeline": self.pipeline, "microbatches": self.microbatches, "schedule": self.schedule}
@@ -204,6 +217,8 @@ def _check(o: PlanOptions) -> None:
     if o.optimizer not in OPTIMIZER_STATES:
         choices = ", ".join(map(repr, sorted(OPTIMIZER_STATES)))
         raise ValueError(f"optimizer must be one of {choices}, not {o.optimizer!r}")
+    if o.optimizer_foreach is not None and not isinstance(o.optimizer_foreach, bool):
+        raise TypeError(f"optimizer_foreach must be True, False or None (torch's default), not {o.optimizer_foreach!r}")
     if o.outputs not in OUTPUTS:
         raise ValueError(f"outputs must be {' or '.join(map(repr, OUTPUTS))}, not {o.outputs!r}")
     if not isinstance(o.inputs, str) or o.inputs not in INPUTS:

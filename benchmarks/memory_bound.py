@@ -2,7 +2,8 @@
 
 Model (issue 27's reference): GPT-2 class (Hugging Face ``GPT2LMHeadModel`` from a config, random
 weights, dropout 0), 4 layers x 512 hidden, 8 heads, vocabulary 8192, global batch 8 x 128 tokens,
-AdamW; on 2 and 4 processes (``torchrun``, gloo on CPU, NCCL on GPUs), mesh (world,).
+AdamW (``--optimizer``: foreach by default, as in :mod:`vs_torch`); on 2 and 4 processes
+(``torchrun``, gloo on CPU, NCCL on GPUs), mesh (world,).
 
 In each job DDP is built and measured first; its measured peak per device (largest rank) sets the
 budgets, ``--fractions`` (default 0.4, 0.6, 0.8) times it. Then every recipe, each rank its share
@@ -88,8 +89,8 @@ def build_variants(args, model, batch, dev, rank, world, job):
     job["budgets"] = {f: int(float(f) * job["ddp_peak_bytes"]) for f in args.fractions.split(",")}
     del ddp
 
-    yield recipe("DDP+ZeRO-1", V.ddp_module(model, dev), optimizer=lambda params: ZeroRedundancyOptimizer(
-        params, optimizer_class=torch.optim.AdamW, lr=V.LR))
+    yield recipe("DDP+ZeRO-1", V.ddp_module(model, dev), optimizer=lambda params, foreach: ZeroRedundancyOptimizer(
+        params, optimizer_class=torch.optim.AdamW, lr=V.LR, foreach=foreach))
     yield recipe("FSDP2", V.fsdp_module(model, dev, mesh))
     yield recipe("FSDP2 no-reshard", V.fsdp_module(model, dev, mesh, reshard_after_forward=False))
     yield recipe("FSDP2+AC", V.fsdp_module(model, dev, mesh, checkpoint=True))
@@ -186,7 +187,7 @@ def table(results: list[dict]) -> str:
     s = r0.get("sizes", {})
     head = "\n".join([
         f"model: gpt2 {s.get('layers')} x {s.get('hidden')}, vocabulary {s.get('vocab')}, global batch "
-        f"{s.get('batch')} x {s.get('seq')}, AdamW; device: {', '.join(sorted({str(r.get('device')) for r in results}))}"
+        f"{s.get('batch')} x {s.get('seq')}, AdamW ({r0.get('optimizer')}); device: {', '.join(sorted({str(r.get('device')) for r in results}))}"
         f"; backend {', '.join(sorted({str(r.get('backend')) for r in results}))}; cost model {r0.get('cost_model')}",
         "budget: the fraction of DDP's measured peak per device (" + "; ".join(
             f"world {r['world']}: {_mib(r.get('ddp_peak_bytes'))} MiB" for r in results) + ")",

@@ -138,6 +138,11 @@ SEED = 0
 LR = 1e-4
 EP_RECIPE = "torch EP + DDP"
 RECIPES = ("DDP", "FSDP2", "TP", "FSDP2+TP", EP_RECIPE)
+OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for-loop")
+"""``--optimizer``: AdamW's ``foreach=True`` or ``False``, on every row. Foreach is the default
+because it is torch's on CUDA, where these recipes train; on CPU torch picks the per-tensor
+loop, under which each of a step's ~10 ops per parameter pays DTensor's dispatch (about 3x the
+plain tensors' step on this machine: docs/design.md, "The optimizer as it is built")."""
 AUTO = ("autoparallel", "autoparallel data")
 GPT2_TP_NA = ("HF GPT-2's c_attn, c_proj and c_fc are transformers Conv1D modules (weight stored in x out), "
               "which ColwiseParallel/RowwiseParallel cannot shard (nn.Linear and nn.Embedding only), and c_attn "
@@ -221,7 +226,7 @@ class Variant:
                  optimizer=None):
         self.name, self.mesh, self.configs, self.kind, self.na = name, mesh, configs, kind, na
         self.module, self.batch, self.mean_loss = module, batch, mean_loss
-        self.optimizer_factory = optimizer  # parameters -> optimizer; default AdamW
+        self.optimizer_factory = optimizer  # (parameters, foreach) -> optimizer; default AdamW
         self.optimizer = None
         self.estimate = None          # autoparallel: plan.estimate.step_time_s
         self.est_parts = {}           # autoparallel: compute_s, comm_s, peak_memory_bytes of the estimate
@@ -238,9 +243,10 @@ class Variant:
         self.pp_rank = None           # pipelined: this rank's coordinate along the pipeline axis
         self.note = None              # a line for the table's notes
 
-    def make_optimizer(self):
-        make = self.optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=LR))
-        self.optimizer = make(self.module.parameters())
+    def make_optimizer(self, foreach: bool):
+        """The variant's optimizer, ``foreach=`` as given (:data:`OPTIMIZER_IMPLEMENTATIONS`)."""
+        make = self.optimizer_factory or (lambda params, foreach: torch.optim.AdamW(params, lr=LR, foreach=foreach))
+        self.optimizer = make(self.module.parameters(), foreach)
 
     def forward_backward(self):
         """The step's forward and backward; returns the loss."""
@@ -340,6 +346,7 @@ def autoparallel_variant(args, name, model, batch, device_mesh, mesh_label, expe
     cm = cost_model_of(args, device_mesh, expert_imbalance)
     if cm is not None:
         options["cost_model"] = cm
+    options.setdefault("optimizer_foreach", args.optimizer == "foreach")  # priced and counted as built
     if args.no_cache:
         options["cache_dir"] = False
     t0 = time.perf_counter()
@@ -1006,7 +1013,7 @@ def build_and_measure(builder, args, dev) -> list[Variant]:
         if v.module is None:
             continue
         gc.collect()
-        v.make_optimizer()
+        v.make_optimizer(args.optimizer == "foreach")
         if device_type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -1075,7 +1082,7 @@ def job_record(args, model_name, s, dev, world) -> dict:
         "model": model_name, "world": world, "device": torch.cuda.get_device_name() if dev.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads per process)",
         "backend": dist.get_backend(), "sizes": s, "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "memory": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "MemTracker",
+        "warmup": args.warmup, "optimizer": args.optimizer, "memory": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "MemTracker",
         "cost_model": args.cost_model, "pipeline": bool(getattr(args, "pipeline", False))}
 
 
@@ -1212,7 +1219,8 @@ def table(results: list[dict]) -> str:
         f"device: {', '.join(sorted({str(r.get('device')) for r in results}))}; backend "
         f"{', '.join(sorted({str(r.get('backend')) for r in results}))}",
         f"s/step: median over {r0.get('rounds')} interleaved rounds of the slowest rank's mean over {r0.get('steps')} "
-        f"steps, after {r0.get('warmup')} warm-up steps; a step is forward, backward, AdamW step, zero_grad; "
+        f"steps, after {r0.get('warmup')} warm-up steps; a step is forward, backward, AdamW step "
+        f"({r0.get('optimizer')}, every row), zero_grad; "
         f"fwd+bwd is its first part, optimizer the rest (medians' difference)",
         "estimate: plan.estimate.step_time_s (forward, backward and optimizer step), est/meas = estimate / "
         "measured s/step; "
@@ -1256,6 +1264,9 @@ def arg_parser(description: str, models: str = "gpt2,llama", worlds: str = "1,2,
     ap.add_argument("--no-cache", action="store_true", help="plan with cache_dir=False")
     ap.add_argument("--json", default=None, help="write the results (a list of jobs) to this file")
     ap.add_argument("--timeout", type=float, default=3600, help="driver: seconds per torchrun job")
+    ap.add_argument("--optimizer", default="foreach", choices=OPTIMIZER_IMPLEMENTATIONS,
+                    help="AdamW's implementation on every row, planned for alike: foreach (torch's default on CUDA; "
+                         "the default here) or for-loop (torch's default on CPU)")
     return ap
 
 
@@ -1293,7 +1304,7 @@ def parse_args(argv=None):
 def worker_argv(args) -> list[str]:
     """The options the driver passes on to each torchrun job."""
     out = ["--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device", args.device, "--cost-model", args.cost_model]
+           "--device", args.device, "--cost-model", args.cost_model, "--optimizer", args.optimizer]
     if getattr(args, "pipeline", False):
         out += ["--pipeline", "--microbatches", str(args.microbatches), "--schedule", args.schedule]
     if args.quick:

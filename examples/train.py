@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"examples/train.py: error: --samples {train.samples} is less than one global batch")
 
     # 5. optimizer, schedule; resume
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                  foreach=config.optimizer_foreach)  # as planned
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(train))
     start = 0
     if train.resume:

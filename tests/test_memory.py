@@ -1,5 +1,6 @@
 """The peak-memory model against measurement, and the memory budget in the sharding ILP."""
 
+import contextlib
 import copy
 import re
 
@@ -71,6 +72,38 @@ def test_optimizer_states_counted():
     assert (adam, sgd) == (OPTIMIZER_STATES["adamw"] * params, 0)
     with pytest.raises(ValueError, match="unknown optimizer"):
         _estimated_peak(model, batch, optimizer="lion")
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_foreach_step_temporaries_counted(foreach):
+    """Where the parameters dominate, the optimizer step is the peak: under foreach AdamW it
+    holds a denominator list the size of every parameter at once (one more state), which the
+    model counts; the per-tensor loop's one parameter at a time is not."""
+    torch.manual_seed(0)
+    model = MLP(hidden=512, layers=4)
+    batch = {"x": torch.randn(4, 512), "y": torch.randn(4, 512)}
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    for tracked in (False, True):  # the first step makes the states
+        tracker = MemTracker()
+        tracker.track_external(model, opt, *batch.values())
+        with tracker if tracked else contextlib.nullcontext():
+            model(**batch).backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    traced = ColoTracer().trace(model, to_meta(batch))
+    gen = StrategyGenerator((1,))
+    strategies = gen.generate(traced.gm)
+    mm = MemoryModel(traced.gm, gen.aliases, (1,), optimizer_impl="foreach" if foreach else "for-loop",
+                     traced_on=traced.device)
+    est = mm.estimate({n: s[-1] for n, s in strategies.items()}).peak_bytes
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    if foreach:
+        assert abs(est - measured) <= 0.03 * measured, (est, measured)
+        assert est >= 5 * params  # parameters, gradients, two states, the denominators
+    else:  # the loop's denominator, two tensors of one parameter at a time, is left out
+        assert 0 <= measured - est <= 2 * largest + 0.03 * measured, (est, measured)
 
 
 def test_parse_bytes():

@@ -15,7 +15,8 @@ linear in the plan's one-hot strategy variables (what the ILP needs):
   trainable parameter (Adam/AdamW: two; SGD with momentum: one; SGD: none), or of its shard
   where the states are sharded (ZeRO stage 1, :mod:`autoparallel.strategies.zero`: the shard
   the optimizer steps and its gradient are held beside the whole parameter and gradient; under
-  stage 2 the shard's gradient alone);
+  stage 2 the shard's gradient alone); under the foreach implementation, at the last step,
+  the step's temporaries (kind ``temporaries``: :data:`FOREACH_TEMPORARIES` states' worth);
 * forward values (temporaries), from their node's forward step to their last forward use;
 * activations saved for backward, from the forward of their first saver to the backward
   of that saver (savers run backward in reverse order, so the first is the last to
@@ -92,6 +93,13 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """State tensors kept per trainable parameter by each optimizer (``torch.optim`` defaults)."""
 
 DEFAULT_OPTIMIZER = "adamw"
+
+FOREACH_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 1, "adamw": 1}
+"""State-sized tensors per trainable parameter that the foreach implementation of each optimizer
+allocates at once for its whole parameter group in a step (``torch.optim`` defaults, torch
+2.13): Adam's and AdamW's denominators, ``torch._foreach_sqrt`` of every ``exp_avg_sq``
+(``torch/optim/adam.py``, ``_multi_tensor_adam``, l. 788; divided and offset in place after); SGD's
+updates are in place. The per-tensor loop's are one parameter's at a time, not counted."""
 
 KINDS = tuple(k for k, _ in MemoryBreakdown().items())
 
@@ -473,6 +481,8 @@ class MemoryModel:
         aliases: getitem node → (producer, output index) (from the strategy generator).
         mesh_shape: devices per mesh axis.
         optimizer: a key of :data:`OPTIMIZER_STATES` (default AdamW).
+        optimizer_impl: ``"for-loop"`` or ``"foreach"``: whether the step's temporaries
+            (:data:`FOREACH_TEMPORARIES`) are counted.
         device: the device type the module will run on (selects kernels, e.g. SDPA's).
         traced_on: the device type the graph was captured on.
         outputs / whole_outputs: how the module returns the graph's outputs, as
@@ -492,7 +502,7 @@ class MemoryModel:
     """
 
     def __init__(self, gm: fx.GraphModule, aliases, mesh_shape, *, optimizer: str = DEFAULT_OPTIMIZER,
-                 device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
+                 optimizer_impl: str = "for-loop", device: str = "cpu", traced_on: str = "meta", outputs: str = "replicated",
                  whole_outputs: frozenset[int] = frozenset(), cost_model=None, layout=None, inputs: str = "global"):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
@@ -535,6 +545,9 @@ class MemoryModel:
                     k = OPTIMIZER_STATES[optimizer]
                     if k:
                         items.append(Item("optimizer", u, 0, back, lambda s, f=state, k=k: k * f(s)))
+                    t = FOREACH_TEMPORARIES[optimizer] if optimizer_impl == "foreach" else 0
+                    if t:  # after the backward: at its last step, with every gradient
+                        items.append(Item("temporaries", u, back, back, lambda s, f=state, t=t: t * f(s)))
                 continue
             if u.op == "placeholder":  # the caller's batch, held through the step
                 shape, dtype = info.outputs[i]

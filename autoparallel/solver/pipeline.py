@@ -232,13 +232,14 @@ def _planner(traced, mesh: MeshSpec, options: PlanOptions, cost_model: CostModel
     names = dict(traced.params)
     names.update(traced.buffers)
     whole = written_back_outputs(traced.gm, traced.buffer_mutations)  # returned whole, to be written back
-    memory = MemoryModel(traced.gm, aliases, mesh.shape, optimizer=options.optimizer, device=options.device,
+    memory = MemoryModel(traced.gm, aliases, mesh.shape, optimizer=options.optimizer,
+                         optimizer_impl=options.optimizer_implementation(), device=options.device,
                          traced_on=traced.device, outputs=options.outputs, whole_outputs=whole,
                          cost_model=cost_model, layout=Redistributor(cost_model.bind(mesh)), inputs=options.inputs)
     return Planner(traced.gm, strategies, aliases, mesh, cost_model, names, share_layers=options.share_layers,
                    memory=memory, outputs=options.outputs, whole_outputs=whole,
                    reduce_dtype=precision.reduce_dtype(options.mp_policy), optimizer=options.optimizer,
-                   device=options.device)
+                   optimizer_impl=options.optimizer_implementation())
 
 
 def _price_recipes(plan: Plan, traced, mesh, options: PlanOptions, planner, unconstrained, budget, rows) -> None:

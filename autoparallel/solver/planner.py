@@ -48,14 +48,14 @@ class Planner:
             (:mod:`autoparallel.solver.shared_layers`).
         memory: the step's :class:`~autoparallel.solver.memory.MemoryModel` (peak memory
             estimate and budget rows); ``None`` to leave memory out.
-        outputs / whole_outputs / reduce_dtype / optimizer / device: what is priced, as
+        outputs / whole_outputs / reduce_dtype / optimizer / optimizer_impl: what is priced, as
             :class:`~autoparallel.solver.pricing.Pricing` takes them.
     """
 
     def __init__(self, gm, strategies, aliases, mesh: MeshSpec, cost_model: CostModel, param_names,
                  share_layers: bool = True, memory: MemoryModel | None = None, outputs: str = "replicated",
                  whole_outputs: frozenset[int] = frozenset(), reduce_dtype: torch.dtype | None = None,
-                 optimizer: str = DEFAULT_OPTIMIZER, device: str = "cpu"):
+                 optimizer: str = DEFAULT_OPTIMIZER, optimizer_impl: str = "for-loop"):
         self.gm = gm
         self.strategies = strategies
         self.aliases = aliases
@@ -63,7 +63,7 @@ class Planner:
         self.nodes = list(strategies)
         self.pricing = Pricing(gm, self.nodes, aliases, mesh, cost_model, outputs=outputs,
                                whole_outputs=whole_outputs, reduce_dtype=reduce_dtype, optimizer=optimizer,
-                               device=device)
+                               optimizer_impl=optimizer_impl)
         self._layer = {n: layer_of(n) for n in self.nodes}
         self.share_layers = share_layers
         self.template = layer_templates(self.nodes, strategies) if share_layers else {n: n for n in self.nodes}

@@ -26,7 +26,7 @@ from ..graph import aliased_input, is_view, moves_no_data, output_leaves, tensor
 from ..strategies import Strategy, record_of
 from ..strategies.zero import state_spec_of
 from ..tracer.annotate import node_info
-from .costs import CostModel, exposed_comm_time, optimizer_implementation
+from .costs import CostModel, exposed_comm_time
 from .memory import DEFAULT_OPTIMIZER
 from .layout import Redistributor
 
@@ -79,13 +79,14 @@ class Pricing:
             policy's, :func:`autoparallel.precision.reduce_dtype`); ``None``: their own.
         optimizer: the optimizer whose step is priced (a key of
             :data:`~autoparallel.solver.memory.OPTIMIZER_STATES`).
-        device: the device type the module will run on: picks the optimizer's implementation
-            (:func:`~autoparallel.solver.costs.optimizer_implementation`).
+        optimizer_impl: the optimizer's implementation, ``"for-loop"`` or ``"foreach"``
+            (:meth:`~autoparallel.options.PlanOptions.optimizer_implementation`).
     """
 
     def __init__(self, gm, nodes: list[fx.Node], aliases, mesh: MeshSpec, cost_model: CostModel, *,
                  outputs: str = "replicated", whole_outputs: frozenset[int] = frozenset(),
-                 reduce_dtype: torch.dtype | None = None, optimizer: str = DEFAULT_OPTIMIZER, device: str = "cpu"):
+                 reduce_dtype: torch.dtype | None = None, optimizer: str = DEFAULT_OPTIMIZER,
+                 optimizer_impl: str = "for-loop"):
         self.gm = gm
         self.nodes = nodes
         self.aliases = aliases
@@ -98,7 +99,7 @@ class Pricing:
         self._layout_of: dict[tuple[fx.Node, int], Redistributor] = {}
         self.grad_params = {n.name for n in nodes if n.op == "get_attr" and node_info(n).requires_grad}
         self.reduce_dtype = reduce_dtype
-        self.optimizer, self.optimizer_impl = optimizer, optimizer_implementation(device)
+        self.optimizer, self.optimizer_impl = optimizer, optimizer_impl
         self.pinned = aliased_edges(nodes)
         self.outputs, self.whole_outputs = outputs, frozenset(whole_outputs)
 

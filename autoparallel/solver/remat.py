@@ -162,6 +162,8 @@ def build_chain(memory: MemoryModel, choice: dict[fx.Node, Strategy], plan: Plan
                 fixed += b
             else:
                 transient[2 * st + 1].append((it.start, it.end, b))
+        elif it.kind == "temporaries" and it.owner.op == "get_attr":  # the optimizer step's, after the backward:
+            grad[0] += b  # held from the last stage's backward on, as its gradients
         elif it.kind not in ("temporaries", "gathered") or it.owner not in stages:
             fixed += b
         elif it.forward_value:

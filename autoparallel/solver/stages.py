@@ -313,7 +313,8 @@ def _memory(inner: Plan, traced, piece, P: int, options: PlanOptions, region_pie
     shape = inner.mesh.shape
     if model is None:
         whole = written_back_outputs(gm, traced.buffer_mutations)
-        model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer, device=options.device,
+        model = MemoryModel(gm, aliases, shape, optimizer=options.optimizer,
+                            optimizer_impl=options.optimizer_implementation(), device=options.device,
                             traced_on=traced.device, outputs=options.outputs, whole_outputs=whole,
                             cost_model=options.cost_model, inputs=options.inputs)
     choice = _choice(inner, gm)
