@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 from . import units
 from .placement import R, Spec, format_spec
 from .runtime_kernels.experts import expert_hops
+from .strategies.moe import exchanges_over_the_mesh
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -345,6 +346,10 @@ def _experts(plan: "Plan") -> str:
         per = total // math.prod(plan.mesh.shape[a] for _, a in hops)
         pairs = n.memory_bytes * n.in_shapes[1][1]  # this device's (token, expert) pairs' rows, bytes
         parts = []
+        if exchanges_over_the_mesh(hops, plan.mesh.shape):  # one hop over the world's group
+            parts.append(f"expert parallel over {_axes(plan, [a for _, a in hops])} at once (all-to-all of "
+                         f"{units.nbytes(pairs)} per device over the whole mesh, 2 forward and 2 backward)")
+            hops = []
         for kind, a in hops:
             if kind == "mask":
                 pairs /= plan.mesh.shape[a]

@@ -6,6 +6,8 @@ and DeepSeek-V3 (shared and routed experts, top-4) models: planned without a fal
 equal to one device on (4,) and (2, 2), with the planner's choice and with expert parallelism
 forced."""
 
+import re
+
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Shard
@@ -144,6 +146,11 @@ def test_expert_parallel_parity(name, mesh_shape, sim_mesh):
     experts = [n for n in pmodel.plan.nodes.values() if "routed_experts" in n.op]
     assert experts and all(n.input_specs[0] == n.input_specs[3] == (Shard(0),) * len(mesh_shape) for n in experts)
     assert "per device; expert parallel over" in str(pmodel.plan)
+    if len(mesh_shape) > 1:  # one all-to-all over the whole mesh (the world's group), not one per axis
+        code = "\n".join(v.graph_module.code for v in pmodel._ap.variants.values())
+        hops = set(re.findall(r"routed_experts\(.*\)", code))
+        assert hops and all("('exchange', 4, None," in h for h in hops), hops
+        assert "expert parallel over dim0,dim1 at once" in str(pmodel.plan)
 
 
 def test_expert_parallel_pricing_and_imbalance():

@@ -287,8 +287,9 @@ class _PerDeviceGraph:
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                  param_targets: set[str], world_size: int, traced_on: str, bucket_cap_bytes: int,
-                 offloaded: frozenset[str], stage_of: dict[str, int] | None):
+                 offloaded: frozenset[str], stage_of: dict[str, int] | None, world_group: str | None):
         self.gm, self.plan, self.device, self.traced_on = gm, plan, device, traced_on
+        self.world_group = world_group
         self.stage_of = stage_of
         self.offloaded = offloaded
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -446,7 +447,7 @@ class _PerDeviceGraph:
         call = LocalCall(node, tuple(args), kwargs, np_.in_shapes, np_.out_shapes, np_.input_specs,
                          np_.output_specs, self.plan.mesh.shape, self.graph, lambda x, a: em.wait(
                              em.call(c10d.all_reduce.default, x, "sum", em.groups[a])),
-                         coord=em.coord_of, group=lambda a: em.groups[a])
+                         coord=em.coord_of, group=lambda a: self.world_group if a is None else em.groups[a])
         record = record_of(node.target)
         since = _tail(self.graph)
         self.env[node] = record.local(call) if record is not None and record.local is not None else call.emit()
@@ -558,7 +559,7 @@ def _op_name(n: fx.Node) -> str:
 def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: str,
                param_targets: set[str], world_size: int, traced_on: str = "meta",
                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, offloaded: frozenset[str] = frozenset(),
-               stage_of: dict[str, int] | None = None) -> fx.Graph:
+               stage_of: dict[str, int] | None = None, world_group: str | None = None) -> fx.Graph:
     """Build the per-device graph for ``plan`` (module docstring).
 
     Args:
@@ -575,12 +576,15 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, group_names: list[str], device: s
             their shards are copied to ``device`` where read (:func:`~autoparallel.runtime_kernels.onto_device`).
         stage_of: traced node name → pipeline stage of a pipelined plan (gradient buckets
             then hold one stage's parameters each).
+        world_group: the world's process group where the mesh's devices are the world's ranks
+            in row-major order (one collective over it spans every mesh axis at once, in mesh
+            order), else ``None``.
 
     Raises:
         KeyError: when the plan does not describe a node of ``gm``.
     """
     return _PerDeviceGraph(gm, plan, group_names, device, param_targets, world_size, traced_on,
-                           bucket_cap_bytes, offloaded, stage_of).build()
+                           bucket_cap_bytes, offloaded, stage_of, world_group).build()
 
 
 def _tag_sources(graph: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:

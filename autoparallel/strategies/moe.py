@@ -178,11 +178,26 @@ def routed_experts_rule(node, in_shapes, out_shapes):
     return strategies
 
 
+def exchanges_over_the_mesh(hops: list[tuple[str, int]], mesh_shape) -> bool:
+    """Whether ``hops`` (:func:`~autoparallel.runtime_kernels.experts.expert_hops`) exchange
+    tokens along every mesh axis of more than one device, two or more: then one all-to-all over
+    the whole mesh sends each pair where the per-axis hops in turn would (the experts and tokens
+    nest in mesh order, the first axis the most significant: the mesh's row-major device order),
+    with one count exchange and one latency per pass instead of one per axis."""
+    split = [a for a, n in enumerate(mesh_shape) if n > 1]
+    return len(split) > 1 and [(k, a) for k, a in hops] == [("exchange", a) for a in split]
+
+
 def local_routed_experts(call: LocalCall):
     """The per-device form: :func:`~autoparallel.runtime_kernels.experts.routed_experts` on the
-    local tokens and experts, one hop per mesh axis splitting the experts."""
-    hops = tuple((kind, call.mesh_shape[a], call.coord(a), call.group(a))
-                 for kind, a in expert_hops(call.input_specs, call.mesh_shape))
+    local tokens and experts, one hop per mesh axis splitting the experts, or one over the
+    world's group where they exchange over the whole mesh (:func:`exchanges_over_the_mesh`) and
+    the mesh is the world's ranks in order."""
+    found = expert_hops(call.input_specs, call.mesh_shape)
+    if exchanges_over_the_mesh(found, call.mesh_shape) and call.group(None) is not None:
+        hops = (("exchange", math.prod(call.mesh_shape), None, call.group(None)),)
+    else:
+        hops = tuple((kind, call.mesh_shape[a], call.coord(a), call.group(a)) for kind, a in found)
     return call.call(routed_experts, tuple(call.args[:6]) + (hops,))
 
 
@@ -191,7 +206,10 @@ def routed_experts_cost(node, strategy, cost_model) -> float:
     per expert of the range the axis divides) once, the pairs' hidden rows four times
     (dispatch and combine, forward and backward; GShard, Lepikhin et al. 2020, §2.2), each
     device sending its share of the pairs times ``cost_model.expert_imbalance`` (1: balanced
-    routing). A ``"mask"`` axis before it leaves a device ``1/n`` of its pairs to send."""
+    routing). A ``"mask"`` axis before it leaves a device ``1/n`` of its pairs to send. Hops
+    that exchange over the whole mesh are priced as the one all-to-all over the world's group
+    the runtime makes of them (:func:`exchanges_over_the_mesh`; a mesh not in the world's rank
+    order runs them per axis, priced as one all the same)."""
     mesh_shape = cost_model.mesh.shape
     hidden, idx, _, gate_up, _ = (x for _, x in tensor_inputs(node))
     shape, dtype = node_info(hidden).outputs[0]
@@ -200,7 +218,11 @@ def routed_experts_cost(node, strategy, cost_model) -> float:
     row = shape[1] * dtype.itemsize
     passes = 4 if node_info(node).requires_grad else 2
     span, cost = node_info(gate_up).outputs[0][0][0], 0.0
-    for kind, a in expert_hops(strategy.inputs, mesh_shape):
+    hops = expert_hops(strategy.inputs, mesh_shape)
+    if exchanges_over_the_mesh(hops, mesh_shape):
+        return (cost_model.collective_time("all_to_all", None, 8 * span)
+                + passes * cost_model.collective_time("all_to_all", None, pairs * row))
+    for kind, a in hops:
         n = mesh_shape[a]
         if kind == "exchange":
             cost += cost_model.collective_time("all_to_all", a, 8 * span)

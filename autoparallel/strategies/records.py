@@ -61,7 +61,9 @@ class LocalCall:
         coord: ``coord(axis)``, this device's coordinate along mesh axis ``axis`` (a node:
             a 1-element int64 tensor); ``None`` where the caller has no mesh coordinate.
         group: ``group(axis)``, the process-group name of mesh axis ``axis`` (what
-            ``_c10d_functional`` collectives take); ``None`` likewise.
+            ``_c10d_functional`` collectives take); ``group(None)``, the world's where the
+            mesh's devices are the world's ranks in row-major order (else ``None``); ``None``
+            likewise.
     """
 
     node: fx.Node
@@ -75,7 +77,7 @@ class LocalCall:
     graph: fx.Graph
     all_reduce: Callable[[fx.Node, int], fx.Node]
     coord: Callable[[int], fx.Node] | None = None
-    group: Callable[[int], str] | None = None
+    group: Callable[[int | None], str | None] | None = None
 
     def call(self, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
         """Emit ``target(*args, **kwargs)``, tagged with the traced node's module path."""
