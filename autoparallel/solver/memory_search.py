@@ -37,6 +37,22 @@ GPT-2 on (2, 2) with ZeRO twins under 0.9 of its fastest peak: 5 solves instead 
 plan."""
 
 
+STALL_RAISES = 3
+STALL_PROGRESS = 0.05
+
+
+def _stalled(peaks: list[int], budget: int) -> bool:
+    """Whether the last :data:`STALL_RAISES` raises of the price (×4 each, so ×64 in all) came
+    less than :data:`STALL_PROGRESS` of the way from the best peak before them to ``budget``:
+    then no plan is taken to fit. The priced rows are linear lower bounds, which the solver can
+    keep lowering while the modelled peak stays put: Llama-3-8B on 8 × 8 at 20 GiB, whose plans
+    only recomputation fits, peaked at 50.4-51.7 GiB over nine solves from 0.07 to 4.5e3 s/GiB."""
+    if len(peaks) <= STALL_RAISES:
+        return False
+    before = min(peaks[:-STALL_RAISES])
+    return min(peaks[-STALL_RAISES:]) > before - STALL_PROGRESS * (before - budget)
+
+
 class MemorySearch:
     """Plans of one problem under memory budgets.
 
@@ -98,6 +114,7 @@ class MemorySearch:
         # first price: giving up the whole step time saves the excess over the budget
         lo, hi, lam, best = 0.0, None, max(sol.objective, 1e-9) / (est.peak_bytes - budget), None
         last, fastest, bound = math.inf, sol.objective, -math.inf
+        peaks = []  # modelled peaks of the solves over budget, while none fits
         for rounds in range(2, self.max_rounds + 1):
             sol, priced = self._penalized(rows, lam)
             if sol.stats.get("status") == "Optimal":  # the Lagrangian dual's value at lam
@@ -120,6 +137,10 @@ class MemorySearch:
                     problem.memory_rows = list(rows.values())
             if hi is None and not new_row and priced >= last - 1e-3 * abs(last):
                 break  # a higher price no longer lowers the priced bytes: none fits
+            if hi is None:
+                peaks.append(est.peak_bytes)
+                if _stalled(peaks, budget):
+                    break
             last = priced if not new_row else math.inf
             if hi is None:
                 lam *= 4
