@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from . import units
 from .placement import R, Spec, format_spec
-from .runtime_kernels.experts import expert_hops
-from .strategies.moe import exchanges_over_the_mesh
+from .runtime_kernels.experts import exchanges_over_the_mesh, expert_hops
 
 if TYPE_CHECKING:
     from .plan import Plan

@@ -42,6 +42,16 @@ def expert_hops(specs, mesh_shape) -> list[tuple[str, int]]:
     return [("exchange" if specs[0][a] != R else "mask", a) for a in range(len(mesh_shape)) if specs[3][a] != R]
 
 
+def exchanges_over_the_mesh(hops: list[tuple[str, int]], mesh_shape) -> bool:
+    """Whether ``hops`` (:func:`expert_hops`) exchange
+    tokens along every mesh axis of more than one device, two or more: then one all-to-all over
+    the whole mesh sends each pair where the per-axis hops in turn would (the experts and tokens
+    nest in mesh order, the first axis the most significant: the mesh's row-major device order),
+    with one count exchange and one latency per pass instead of one per axis."""
+    split = [a for a, n in enumerate(mesh_shape) if n > 1]
+    return len(split) > 1 and [(k, a) for k, a in hops] == [("exchange", a) for a in split]
+
+
 def _experts_mlp(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, counts: list,
                  act: str) -> torch.Tensor:
     """``x`` ``(S, H)`` with rows sorted by expert, ``counts[e]`` rows for expert ``e``, each

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from ..graph import op_args, tensor_inputs
 from ..placement import R, local_shape
-from ..runtime_kernels.experts import ROUTED_EXPERTS, expert_hops, routed_experts
+from ..runtime_kernels.experts import ROUTED_EXPERTS, exchanges_over_the_mesh, expert_hops, routed_experts
 from ..tracer.annotate import node_info
 from .engine import DimMap, Strategy
 from .records import LocalCall, record
@@ -178,20 +178,10 @@ def routed_experts_rule(node, in_shapes, out_shapes):
     return strategies
 
 
-def exchanges_over_the_mesh(hops: list[tuple[str, int]], mesh_shape) -> bool:
-    """Whether ``hops`` (:func:`~autoparallel.runtime_kernels.experts.expert_hops`) exchange
-    tokens along every mesh axis of more than one device, two or more: then one all-to-all over
-    the whole mesh sends each pair where the per-axis hops in turn would (the experts and tokens
-    nest in mesh order, the first axis the most significant: the mesh's row-major device order),
-    with one count exchange and one latency per pass instead of one per axis."""
-    split = [a for a, n in enumerate(mesh_shape) if n > 1]
-    return len(split) > 1 and [(k, a) for k, a in hops] == [("exchange", a) for a in split]
-
-
 def local_routed_experts(call: LocalCall):
     """The per-device form: :func:`~autoparallel.runtime_kernels.experts.routed_experts` on the
     local tokens and experts, one hop per mesh axis splitting the experts, or one over the
-    world's group where they exchange over the whole mesh (:func:`exchanges_over_the_mesh`) and
+    world's group where they exchange over the whole mesh (:func:`~autoparallel.runtime_kernels.experts.exchanges_over_the_mesh`) and
     the mesh is the world's ranks in order."""
     found = expert_hops(call.input_specs, call.mesh_shape)
     if exchanges_over_the_mesh(found, call.mesh_shape) and call.group(None) is not None:
@@ -208,7 +198,7 @@ def routed_experts_cost(node, strategy, cost_model) -> float:
     device sending its share of the pairs times ``cost_model.expert_imbalance`` (1: balanced
     routing). A ``"mask"`` axis before it leaves a device ``1/n`` of its pairs to send. Hops
     that exchange over the whole mesh are priced as the one all-to-all over the world's group
-    the runtime makes of them (:func:`exchanges_over_the_mesh`; a mesh not in the world's rank
+    the runtime makes of them (:func:`~autoparallel.runtime_kernels.experts.exchanges_over_the_mesh`; a mesh not in the world's rank
     order runs them per axis, priced as one all the same)."""
     mesh_shape = cost_model.mesh.shape
     hidden, idx, _, gate_up, _ = (x for _, x in tensor_inputs(node))
