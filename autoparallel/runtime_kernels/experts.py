@@ -57,8 +57,8 @@ def _experts_mlp(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     """``x`` ``(S, H)`` with rows sorted by expert, ``counts[e]`` rows for expert ``e``, each
     group through its expert, ``down[e] (act(gate[e] x) * up[e] x)``: ``(S, H)``. One expert
     at a time, as the Hugging Face experts loop computes it, and one ``cat`` at the end (a
-    ``cat`` of the ``(S, 2I)`` gate and up products and its backward cost a fifth of the
-    layer's forward on a CPU). Every expert's product runs, empty ones too, so that every
+    second ``cat``, of every expert's gate and up products, doubled the ``cat`` time of a
+    Mixtral step on a CPU: 17.6 against 8.9 ms). Every expert's product runs, empty ones too, so that every
     expert's weight gets a gradient (zeros when no row reached it). The experts' weights are
     taken with ``unbind``, whose backward stacks their gradients into one new tensor; indexing
     ``weight[e]`` would give each expert's gradient a zero-filled tensor of the whole weight's

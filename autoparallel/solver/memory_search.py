@@ -81,7 +81,8 @@ class MemorySearch:
         the step time of the fastest plan per byte it is over budget, then ×4 until a plan
         fits (none, when ×4 lowers the bytes priced by less than 0.1 % of them without a new
         peak step priced: Llama-3-8B on 8 × 8 at 20 GiB, which only recomputation fits, ran all
-        12 solves per search at ×4 up to 7e4 s/GiB, the last four the same plan), then bisected (geometric mean; quartered while none is known not to fit) until the
+        12 solves per search at ×4 up to 7e4 s/GiB, the last four the same plan; or when the
+        peak stalls: :func:`_stalled`), then bisected (geometric mean; quartered while none is known not to fit) until the
         largest price that does not fit is within 1.2× of the smallest that does, or after
         ``max_rounds`` solves; none when the bytes held at the fastest plan's peak step, each
         group's smallest summed (a lower bound on every plan's bytes there), are over the
