@@ -244,7 +244,14 @@ class Variant:
         self.note = None              # a line for the table's notes
 
     def make_optimizer(self, foreach: bool):
-        """The variant's optimizer, ``foreach=`` as given (:data:`OPTIMIZER_IMPLEMENTATIONS`)."""
+        """The variant's optimizer, ``foreach=`` as given (:data:`OPTIMIZER_IMPLEMENTATIONS`),
+        but the per-tensor loop where the parameters mix DTensors and plain tensors (TP by
+        ``parallelize_module`` leaves the norms plain), which torch's foreach ops refuse."""
+        from torch.distributed.tensor import DTensor
+
+        if foreach and len({isinstance(p, DTensor) for p in self.module.parameters()}) > 1:
+            foreach = False
+            self.note = f"{self.name}: AdamW's per-tensor loop (its parameters mix DTensors and plain tensors)"
         make = self.optimizer_factory or (lambda params, foreach: torch.optim.AdamW(params, lr=LR, foreach=foreach))
         self.optimizer = make(self.module.parameters(), foreach)
 
