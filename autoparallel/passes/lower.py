@@ -60,13 +60,13 @@ def _lowered(traced, plan: Plan, device_mesh, root, bucket_cap_bytes: int,
     offloaded = frozenset(t for t, names in traced.params.items() if set(names) & set(plan.offloaded))
     graph = apply_plan(traced.gm, plan, groups, device_mesh.device_type, targets, device_mesh.size(),
                        traced_on=traced.device, bucket_cap_bytes=bucket_cap_bytes, offloaded=offloaded,
-                       stage_of=stage_of, world_group=_world_group(device_mesh))
+                       stage_of=stage_of, world_group=_row_major_world_group(device_mesh))
     shard_random_ops(graph, plan)  # one mask per distinct shard, drawn before checkpoint regions exist
     apply_rewrites(graph, traced.gm.graph, plan)  # the registry the memory model reads too
     return ParallelGraph(root, graph, class_name="ParallelGraph")  # refuses pickling (pickling.py)
 
 
-def _world_group(device_mesh) -> str | None:
+def _row_major_world_group(device_mesh) -> str | None:
     """The world's process-group name when ``device_mesh`` holds the world's ranks in row-major
     order (``init_device_mesh``'s layout), so that rank ``r`` of the world group is the device
     at flat mesh index ``r``; else ``None``. Decided from the mesh tensor, the same on every rank."""
