@@ -2,8 +2,8 @@
 
 :func:`profile_mesh` (every rank calls it) times all-reduce, all-gather, reduce-scatter and
 all-to-all over the process group of each mesh axis (and, on a mesh of two or more axes of
-more than one device, an all-reduce over the world's group: what a gradient bucket spanning
-the world runs) for message sizes doubling from ``min_bytes`` up to a bound set by free
+more than one device, an all-reduce and an all-to-all over the world's group: what a gradient
+bucket and an expert exchange spanning the world run, ``WORLD_COLLECTIVES``) for message sizes doubling from ``min_bytes`` up to a bound set by free
 memory, ``max_bytes`` and a time budget; each point
 is the median over repetitions of the slowest rank. Per axis and collective it fits Hockney's
 line and keeps the table (:class:`~autoparallel.solver.costs.CollectiveTable`); with the
@@ -41,7 +41,7 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .solver.pipeline import plan_traced
 from .tracer import capture
-from .solver.costs import COLLECTIVES, PROFILE_FORMAT, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
+from .solver.costs import COLLECTIVES, PROFILE_FORMAT, WORLD_COLLECTIVES, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +99,16 @@ def profile_mesh(device_mesh, *, cache_dir=None, time_budget: float = 3.0, calib
     max_bytes = _size_bound(device, max_bytes, min_bytes, _ranks_on_host(identity))
     shape = tuple(device_mesh.mesh.shape)
     pairs = [(a, k) for a in range(len(shape)) if shape[a] > 1 for k in COLLECTIVES]
-    if len({a for a, _ in pairs}) > 1:  # gradient buckets spanning the world: one all-reduce over it
-        pairs.append((None, "all_reduce"))
+    if len({a for a, _ in pairs}) > 1:  # gradient buckets and expert exchanges spanning the world
+        pairs += [(None, k) for k in WORLD_COLLECTIVES]
 
     def group(a):
         return dist.group.WORLD if a is None else device_mesh.get_group(a)
 
     share = time_budget / (len(pairs) + 1)  # the world's all-reduce (DDP's gradient buckets) gets two shares
     tables = {(a, k): _measure(k, group(a), dist.get_world_size() if a is None else shape[a], device,
-                               share * (2 if a is None else 1), min_bytes, max_bytes, repeats) for a, k in pairs}
+                               share * (2 if (a, k) == (None, "all_reduce") else 1), min_bytes, max_bytes, repeats)
+              for a, k in pairs}
     names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(shape)))
     seconds = _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, device)[0]
     profile = CommProfile(identity, names, tables, rates, round(seconds, 3))

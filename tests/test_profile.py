@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode
 
 import autoparallel
-from autoparallel.solver.costs import (COLLECTIVES, IDENTITY_FIELDS, PROFILE_TOLERANCE, CollectiveTable, CommProfile,
-                                       CostModel, DevicePreset, fit_alpha_beta, profile_key)
+from autoparallel.solver.costs import (COLLECTIVES, IDENTITY_FIELDS, PROFILE_TOLERANCE, WORLD_COLLECTIVES,
+                                       CollectiveTable, CommProfile, CostModel, DevicePreset, fit_alpha_beta,
+                                       profile_key)
 from models import MLP, batch_for, to_meta
 
 SIZES = [4096 * 2**i for i in range(12)]  # 4 KiB .. 8 MiB
@@ -265,7 +266,7 @@ def _worker(rank: int, cache_dir: str, out: str) -> None:
     texts = [None] * WORLD
     dist.all_gather_object(texts, profile.to_json())
     assert len(set(texts)) == 1, "ranks measured different profiles"
-    assert set(profile.tables) == {(a, k) for a in range(2) for k in COLLECTIVES} | {(None, "all_reduce")}
+    assert set(profile.tables) == {(a, k) for a in range(2) for k in COLLECTIVES} | {(None, k) for k in WORLD_COLLECTIVES}
     assert all(len(t.sizes) >= 3 and t.sizes[0] == 4096 for t in profile.tables.values())
     assert profile.mesh_shape == (2, 2) and profile.identity["hosts"] == [profile.identity["hosts"][0]] * 4
     assert 1e-8 < profile.device.op_overhead < 1e-3, profile.device

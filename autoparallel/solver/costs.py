@@ -24,9 +24,10 @@ Formulas:
   factor is inside the fitted ``β``; where the measured table departs from the line by more
   than :data:`PROFILE_TOLERANCE` (relative), lookups interpolate the table instead.
 * a gradient bucket replicated along axes that together span the world is all-reduced once
-  over the world's ranks (:meth:`CostModel.collective_time` with ``axis=None``): a profile's
-  table measured over the world, else the ring formula with the world's size and the slowest
-  link of those axes.
+  over the world's ranks, and an expert-parallel exchange over every axis is one all-to-all
+  over them (:meth:`CostModel.collective_time` with ``axis=None``): a profile's table
+  measured over the world (:data:`WORLD_COLLECTIVES`), else the ring formula with the world's
+  size and the slowest link of those axes.
 * the optimizer step (:meth:`CostModel.optimizer_step_time`): per parameter, the update's
   memory traffic over its local shard plus a per-op overhead (DTensor's dispatch) times the
   ops ``torch.optim``'s implementation runs, counted in its source.
@@ -263,16 +264,24 @@ def optimizer_implementation(device_type: str) -> str:
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
+WORLD_COLLECTIVES = ("all_reduce", "all_to_all")
+"""The collectives the runtime runs over the world's group on a mesh of two or more axes of
+more than one device, so that :func:`autoparallel.profile_mesh` measures them there too: the
+all-reduce of a gradient bucket replicated along axes that span the world
+(:mod:`autoparallel.runtime_kernels.grad_reduction`), and the all-to-all of an expert-parallel
+exchange over every axis (:func:`autoparallel.runtime_kernels.experts.exchanges_over_the_mesh`)."""
+
 PROFILE_TOLERANCE = 0.25
 """Largest relative deviation ``|line(B) − t(B)| / t(B)`` over the measured sizes for which a
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 8  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+PROFILE_FORMAT = 9  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
 #                    5: DevicePreset.attention_efficiency and step_efficiency;
 #                    6: calibration phases run on every rank at once, the slowest rank's rates together;
 #                    7: DevicePreset.core_share, attention timed beside the peak-size matmul;
-#                    8: every calibration sample the same calls on every rank, started together
+#                    8: every calibration sample the same calls on every rank, started together;
+#                    9: a world all-to-all table (expert exchanges over every axis)
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
@@ -431,9 +440,10 @@ class CommProfile:
         axis_names: the mesh's axis names.
         tables: ``(mesh axis, collective)`` → :class:`CollectiveTable`, for every axis of
             more than one device and every collective in :data:`COLLECTIVES`; on a mesh with
-            two or more such axes also ``(None, "all_reduce")``: the all-reduce over every
-            device at once (the world's group), which prices a gradient bucket spanning the
-            world (:meth:`CostModel.collective_time` with ``axis=None``).
+            two or more such axes also ``(None, kind)`` for each kind of
+            :data:`WORLD_COLLECTIVES`: the collective over every device at once (the world's
+            group), which prices a gradient bucket and an expert exchange spanning the world
+            (:meth:`CostModel.collective_time` with ``axis=None``).
         device: achieved matmul FLOP/s per dtype and memory bandwidth, as a :class:`DevicePreset`.
         profile_s: seconds the measurement took.
 
@@ -458,7 +468,7 @@ class CommProfile:
         object.__setattr__(self, "axis_names", tuple(self.axis_names))
         spanning = sum(n > 1 for n in shape) > 1
         for (axis, kind), t in self.tables.items():
-            world = axis is None and kind == "all_reduce" and spanning
+            world = axis is None and kind in WORLD_COLLECTIVES and spanning
             if kind not in COLLECTIVES or not (world or (_is_int(axis) and 0 <= axis < len(shape))):
                 raise ValueError(f"profile: a table for {kind!r} over mesh axis {axis!r} of a mesh {shape}")
             if not isinstance(t, CollectiveTable):
@@ -478,7 +488,7 @@ class CommProfile:
     def submesh(self, axis: int) -> "CommProfile":
         """The profile of the mesh less mesh axis ``axis`` (one pipeline stage's devices:
         :func:`~autoparallel.pipeline_plan.submesh`): the other axes' tables, renumbered; the
-        world's all-reduce is left out (it was measured over every device, the stage's group is
+        world's tables are left out (they were measured over every device, the stage's group is
         smaller, and the formula over the kept axes' links prices it); the identity's mesh
         shape, world size and hosts (those of the stage at index 0 along ``axis``) the
         submesh's. A mesh of that axis alone leaves one device, ``(1,)`` named ``"stage"``.
@@ -763,7 +773,8 @@ class CostModel:
         per-link values of the mesh's axes of more than one device (:meth:`_link`): a ring
         through every device crosses the links of every axis and runs at the pace of its
         slowest. A profile's table over the world (``(None, kind)``, measured by
-        :func:`autoparallel.profile_mesh` for the all-reduce) prices it instead where it has one.
+        :func:`autoparallel.profile_mesh` for :data:`WORLD_COLLECTIVES`) prices it instead
+        where it has one.
 
         Raises:
             ValueError: for an unknown collective kind.
