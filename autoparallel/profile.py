@@ -39,6 +39,7 @@ from torch.utils.flop_counter import sdpa_flop_count
 from . import cache
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .runtime_kernels.experts import ROUTED_EXPERTS, routed_experts
 from .solver.pipeline import plan_traced
 from .tracer import capture
 from .solver.costs import COLLECTIVES, PROFILE_FORMAT, WORLD_COLLECTIVES, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
@@ -309,7 +310,8 @@ def calibrate_device(device, *, time_budget: float = 2.0, ranks_on_host: int = 1
     bf16 elsewhere), its FLOP/s over that of the matmul at its peak size, the two timed in
     alternation (:func:`_attention_efficiency`). Host link and host memory: :func:`_host_rates`. Step
     efficiency: a reference training step timed against
-    what the roofline of these rates predicts for it (:func:`_step_efficiency`). Each rate is the median of 3
+    what the roofline of these rates predicts for it (:func:`_step_efficiency`); experts efficiency
+    likewise for the routed experts' kernel (:func:`_experts_efficiency`). Each rate is the median of 3
     samples, each repeating its op for at least 30 ms: longer than a scheduler's time slice,
     so processes that share cores (4 ranks on 2 cores) measure their share and not a lucky
     slice alone. Memory: the device's total, or on CPU the host's divided by
@@ -370,7 +372,9 @@ def _calibrate(device: torch.device, time_budget: float, ranks_on_host: int,
                          attention, host_link_bw=link, host_mem_bw=host_bw,
                          core_share=_core_share(device, ranks_on_host))
     agree(0.0)
-    return dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates, agree))
+    rates = dataclasses.replace(rates, step_efficiency=_step_efficiency(device, rates, agree))
+    agree(0.0)
+    return dataclasses.replace(rates, experts_efficiency=_experts_efficiency(device, rates, agree))
 
 
 def _core_share(device: torch.device, ranks_on_host: int) -> float:
@@ -498,6 +502,30 @@ def _step_efficiency(device: torch.device, rates: DevicePreset,
     return predicted / _median_time(lambda: model(x).backward(), device, agree=agree)
 
 
+def _experts_efficiency(device: torch.device, rates: DevicePreset,
+                        agree: Callable[[float], float] = lambda x: x) -> float:
+    """The routed experts' kernel (:func:`~autoparallel.runtime_kernels.experts.routed_experts`,
+    what the per-device code runs) forward and backward on 512 tokens of hidden size 256, each
+    routed to 2 of 8 experts of intermediate size 512 (routing drawn at random, about 128 rows
+    per expert; fp32 on a CPU, bf16 elsewhere), as :meth:`CostModel.compute_time` prices it
+    under ``rates`` with this efficiency 1, over its measured time (:func:`_median_time`):
+    :attr:`DevicePreset.experts_efficiency`. The 2-core test VM measured 0.60-0.65 alone."""
+    tokens, hidden, inter, experts, k = 512, 256, 512, 8, 2
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device(device):
+        x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+        index = torch.rand(tokens, experts).topk(k).indices
+        weights = torch.rand(tokens, k, dtype=dtype, requires_grad=True)
+        gate_up = torch.randn(experts, 2 * inter, hidden, dtype=dtype).mul_(0.02).requires_grad_(True)
+        down = torch.randn(experts, hidden, inter, dtype=dtype).mul_(0.02).requires_grad_(True)
+    pairs = tokens * k
+    flops = 2 * pairs * hidden * 2 * inter + 2 * pairs * inter * hidden  # the forward's two products per pair
+    traffic = sum(t.nbytes for t in (x, index, weights, gate_up, down)) + x.nbytes  # inputs and output
+    priced = CostModel(rates).compute_time(ROUTED_EXPERTS, flops, traffic, dtype, True)
+    return priced / _median_time(lambda: routed_experts(x, index, weights, gate_up, down, "silu").sum().backward(),
+                                 device, agree=agree)
+
+
 def _attention_efficiency(device: torch.device, n: int, agree: Callable[[float], float] = lambda x: x) -> float:
     """FLOP/s of ``scaled_dot_product_attention``'s forward and backward on q, k, v of
     ``[4, 8, 256, 64]`` over the FLOP/s of an ``n × n`` matmul, ``n`` the size at which
@@ -590,7 +618,7 @@ def _slowest_rank(mine: DevicePreset, device: torch.device) -> DevicePreset:
     that moment, so the least rate of one rank and the least efficiency of another are not
     one machine: taking each least on its own priced this VM's 4-rank steps 1.3x too slow."""
     fields = ("flops_fp32", "flops_half", "mem_bw", "op_overhead", "dtensor_op_overhead", "attention_efficiency",
-              "host_link_bw", "host_mem_bw", "step_efficiency")  # step_efficiency last: the argmin reads it
+              "host_link_bw", "host_mem_bw", "experts_efficiency", "step_efficiency")  # step_efficiency last: the argmin reads it
     mine_row = torch.tensor([float(getattr(mine, f)) for f in fields], dtype=torch.float64, device=device)
     rows = torch.empty(dist.get_world_size() * len(fields), dtype=torch.float64, device=device)
     dist.all_gather_single(rows, mine_row)

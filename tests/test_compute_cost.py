@@ -48,7 +48,24 @@ def test_step_efficiency_divides_every_op():
     assert DevicePreset.from_json(slow.device.to_json()) == slow.device
 
 
-@pytest.mark.parametrize("field", ["attention_efficiency", "step_efficiency"])
+def test_experts_efficiency_divides_the_routed_experts_op_only():
+    """The routed experts' op is priced as a matmul of its FLOPs over ``experts_efficiency``
+    (its sorts, gathers and small per-expert products run below a GEMM's rate); every other
+    op is priced as before."""
+    from autoparallel.runtime_kernels.experts import ROUTED_EXPERTS
+
+    base = CostModel(DevicePreset("d", 1e12, 1e12, 1e11, 2**30, op_overhead=O, step_efficiency=0.8))
+    slow = CostModel(DevicePreset("d", 1e12, 1e12, 1e11, 2**30, op_overhead=O, step_efficiency=0.8,
+                                  experts_efficiency=0.5))
+    for grads in (False, True):
+        assert slow.compute_time(ROUTED_EXPERTS, 1e9, 1e6, torch.float32, grads) == \
+            pytest.approx(2 * base.compute_time(ROUTED_EXPERTS, 1e9, 1e6, torch.float32, grads))
+    assert slow.compute_time(aten.mm.default, 1e9, 1e6, torch.float32, True) == \
+        base.compute_time(aten.mm.default, 1e9, 1e6, torch.float32, True)
+    assert DevicePreset.from_json(slow.device.to_json()) == slow.device
+
+
+@pytest.mark.parametrize("field", ["attention_efficiency", "step_efficiency", "experts_efficiency"])
 def test_efficiencies_must_be_positive(field):
     with pytest.raises(ValueError, match=f"{field} must be positive"):
         DevicePreset("d", 1e12, 1e12, 1e11, 2**30, **{field: 0.0})

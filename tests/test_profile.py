@@ -233,8 +233,8 @@ def test_compute_time_adds_the_op_overhead_per_call():
 def test_calibration_measures_the_op_overhead_and_efficiencies():
     """calibrate_device times a chain of tiny ops forward and backward: microseconds per call
     on a CPU (2.8 us forward, 4.9 us backward on the 2-core test VM), not zero; SDPA's share of
-    the matmul rate (0.5-0.6 there) and a reference step's share of the roofline's prediction
-    (0.76-0.82 there) are measured, not left at 1. The caller's random state is kept: a run
+    the matmul rate (0.5-0.6 there), a reference step's and the routed experts' kernel's share
+    of the roofline's prediction (0.76-0.82 and 0.6-0.65 there) are measured, not left at 1. The caller's random state is kept: a run
     that calibrates draws the same numbers afterwards as one that loads a cached profile."""
     from autoparallel.profile import calibrate_device
 
@@ -244,6 +244,7 @@ def test_calibration_measures_the_op_overhead_and_efficiencies():
     assert 1e-8 < rates.op_overhead < 1e-3, rates
     assert 0.02 < rates.attention_efficiency < 5 and rates.attention_efficiency != 1.0, rates
     assert 0.05 < rates.step_efficiency < 5 and rates.step_efficiency != 1.0, rates
+    assert 0.05 < rates.experts_efficiency < 5 and rates.experts_efficiency != 1.0, rates
     threads = torch.get_num_threads()
     assert rates.core_share == min(1.0, len(os.sched_getaffinity(0)) / threads)
 

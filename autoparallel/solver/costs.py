@@ -57,6 +57,7 @@ from tabulate import tabulate
 
 from .. import units
 from ..mesh import DEFAULT_ALPHA, DEFAULT_BETA, MeshSpec
+from ..runtime_kernels.experts import ROUTED_EXPERTS
 from ..tracer.annotate import MATMUL_LIKE
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -82,6 +83,14 @@ class DevicePreset:
         attention_efficiency: the FLOP/s ``scaled_dot_product_attention`` achieves, forward
             and backward together, as a fraction of the matmul peak of its dtype (its fused
             kernels run softmax and masking between the products, below GEMM rates).
+        experts_efficiency: what the routed experts' op
+            (:data:`~autoparallel.runtime_kernels.experts.ROUTED_EXPERTS`) achieves forward and
+            backward, as a fraction of what :meth:`CostModel.compute_time` prices for it with
+            this 1 (its FLOPs as a matmul's, its inputs and output as its traffic): its kernel
+            also sorts and gathers the (token, expert) pairs, runs one pair of products per
+            expert on a few hundred rows, the activation between them, and scatters the
+            results back, none of which those two terms see. ``compute_time`` divides the op's
+            time by it.
         host_link_bw: bytes/s of a copy between host and device memory, each way (a
             host-offloaded parameter's shard to the device, its gradient back).
         host_mem_bw: bytes/s of host memory, where a host-offloaded parameter's optimizer
@@ -116,12 +125,13 @@ class DevicePreset:
     host_link_bw: float = 25e9
     host_mem_bw: float = 1e11
     core_share: float = 1.0
+    experts_efficiency: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"DevicePreset: name must be a string, not {self.name!r}")
         for what in ("flops_fp32", "flops_half", "mem_bw", "memory", "attention_efficiency", "step_efficiency",
-                     "host_link_bw", "host_mem_bw"):
+                     "host_link_bw", "host_mem_bw", "experts_efficiency"):
             v = getattr(self, what)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 raise TypeError(f"DevicePreset: {what} must be a number, not {v!r}")
@@ -148,7 +158,7 @@ class DevicePreset:
         """
         names = ("name", "flops_fp32", "flops_half", "mem_bw", "memory", "op_overhead", "dtensor_op_overhead",
                  "attention_efficiency", "step_efficiency")
-        host = ("host_link_bw", "host_mem_bw", "core_share")  # absent from presets saved before they were measured
+        host = ("host_link_bw", "host_mem_bw", "core_share", "experts_efficiency")  # absent from presets saved before they were measured
         if not isinstance(d, dict) or not set(names) <= set(d) <= set(names + host):
             raise ValueError(f"a device preset must be an object with the fields {names + host}, not {d!r}")
         try:
@@ -181,8 +191,9 @@ class DevicePreset:
 # (PCI-SIG base specifications); the presets take about 80 % of that. host_mem_bw: 100 GB/s, half a
 # socket of eight DDR4-3200 channels (204.8 GB/s peak). On the cpu preset host and device are one
 # memory: a copy reads and writes it (half its bandwidth), the host step runs at its bandwidth.
-# step_efficiency: 1 in the presets (datasheet peaks have no measured step to compare with);
-# calibrate_device measures it (0.76-0.82 on the 2-core test VM).
+# step_efficiency and experts_efficiency: 1 in the presets (datasheet peaks have no measured
+# step or kernel to compare with); calibrate_device measures them (step 0.76-0.82 on the 2-core
+# test VM).
 PRESETS = {
     "a100": DevicePreset("a100", 156e12, 312e12, 2.0e12, 80 * 2**30, op_overhead=5e-6, dtensor_op_overhead=20e-6,
                          attention_efficiency=0.5, host_link_bw=25e9, host_mem_bw=1e11),
@@ -276,12 +287,13 @@ PROFILE_TOLERANCE = 0.25
 fitted alpha-beta line prices a collective; beyond it the measured table is interpolated."""
 
 # Version of the CommProfile JSON layout; part of the profile key.
-PROFILE_FORMAT = 9  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
+PROFILE_FORMAT = 10  # 2: DevicePreset.op_overhead; 3: DevicePreset.dtensor_op_overhead; 4: a world all-reduce table;
 #                    5: DevicePreset.attention_efficiency and step_efficiency;
 #                    6: calibration phases run on every rank at once, the slowest rank's rates together;
 #                    7: DevicePreset.core_share, attention timed beside the peak-size matmul;
 #                    8: every calibration sample the same calls on every rank, started together;
-#                    9: a world all-to-all table (expert exchanges over every axis)
+#                    9: a world all-to-all table (expert exchanges over every axis);
+#                   10: DevicePreset.experts_efficiency
 
 
 def fit_alpha_beta(sizes, times) -> tuple[float, float]:
@@ -898,7 +910,8 @@ class CostModel:
         overhead adds: a CPU runs each op's dispatch and kernel one after the other in the
         calling thread; on a GPU a launch overlaps kernels that run longer, so there it
         over-estimates by up to ``op_overhead`` per call. The sum is divided by
-        ``device.step_efficiency``.
+        ``device.step_efficiency``, and for the routed experts' op by ``device.experts_efficiency``
+        too.
 
         Args:
             target: the ATen op.
@@ -920,4 +933,6 @@ class CostModel:
             total = fwd + 2.5 * work + dev.op_overhead
         else:
             total = fwd + (2 if target in MATMUL_LIKE else grad_calls) * fwd
+        if target is ROUTED_EXPERTS:
+            total /= dev.experts_efficiency
         return total / dev.step_efficiency
