@@ -312,8 +312,9 @@ class _PerDeviceGraph:
 
     def parameters(self) -> None:
         """Parameters and buffers: their local shards; the parameters replicated along mesh
-        axes are read through their gradient bucket (:func:`grad_buckets`), whose backward
-        all-reduces their gradients while the backward goes on."""
+        axes are read through their gradient bucket (:func:`grad_buckets`, emitted by
+        :meth:`buckets_read_by` before the first op that reads one of its parameters), whose
+        backward all-reduces their gradients while the backward goes on."""
         attrs = {}
         for node in self.gm.graph.nodes:
             if node.op != "get_attr":
@@ -326,10 +327,27 @@ class _PerDeviceGraph:
             self.env[node] = self.graph.call_function(param_local, (attr,))
             if node.target in self.offloaded:  # held in host memory: its shard copied to the device
                 self.env[node] = self.graph.call_function(onto_device, (self.env[node], self.device))
-        for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes, self.stage_of):
+        self.attrs = attrs
+        self.bucket_of = {m: b for b in grad_buckets(self.gm, self.plan, self.param_targets, self.bucket_cap_bytes,
+                                                     self.stage_of) for m in b.members}
+
+    def buckets_read_by(self, node: fx.Node) -> None:
+        """Emit the gradient bucket of each parameter ``node`` reads that is not emitted yet.
+        The autograd engine runs the ready backward node created last first, so a bucket
+        created ahead of the whole forward ran its all-reduce after the whole backward (and held
+        every whole gradient of a ZeRO-2 bucket until then); created just before its first
+        reader, it runs as soon as its gradients exist, before the earlier layers' backward."""
+        pending = []
+        for a in node.all_input_nodes:
+            b = self.bucket_of.get(a)
+            if b is not None and all(b is not p for p in pending):
+                pending.append(b)
+        for b in pending:
+            for m in b.members:
+                del self.bucket_of[m]
             groups = tuple(self.groups[a] for a in b.axes)
             since = _tail(self.graph)
-            members = [attrs[m] for m in b.members]
+            members = [self.attrs[m] for m in b.members]
             cast = b.dtype != b.members[0].meta["val"].dtype  # reduced in a mixed-precision policy's dtype
             kwargs = ({"reduce_dtype": b.dtype} if cast else {}) | ({"scatter": True} if b.scatter else {})
             bucket = self.graph.call_function(reduce_grads_in_bucket, (groups, *members), kwargs)
@@ -437,6 +455,7 @@ class _PerDeviceGraph:
         """A ``call_function`` node on local shards: its inputs redistributed, then the op (or
         its record's local form, commented when it differs from the captured call)."""
         np_ = self.plan.nodes[node.name]
+        self.buckets_read_by(node)
         leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
         leaves = [self.env[x] if isinstance(x, fx.Node) else _replace_device(x, self.traced_on, self.device)
                   for x in leaves]
@@ -464,6 +483,7 @@ class _PerDeviceGraph:
         :func:`returned` with the number of devices that hold it whole (its gradient is
         seeded in full on each). The output node's ``meta["returned"]`` holds, per flat
         output, ``(placements, global shape)`` of a value returned sharded, else ``None``."""
+        self.buckets_read_by(node)
         leaves = output_leaves(node)
         outs, returned_as, j = [], [], 0  # j: index among the returned tensors (output_leaves)
         for x in pytree.tree_leaves(node.args[0]):

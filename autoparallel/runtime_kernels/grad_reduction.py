@@ -182,10 +182,10 @@ def _reduce_scatter_onto_shards(params, grads, group: str, reduce_dtype) -> None
                       for r in range(pieces) for g, (_, dim, _, _) in zip(grads, shards)])
     flat = per_rank(flat if reduce_dtype in (None, grad_dtype) else flat.to(reduce_dtype))
     pending = _c10d.reduce_scatter_tensor(flat, "sum", pieces, group)  # launched; waited by finish()
+    sizes = [g.numel() // pieces for g in grads]  # not the gradients: freed once the backward returns
 
     def finish():
         out = _c10d.wait_tensor(pending).to(grad_dtype)
-        sizes = [g.numel() // pieces for g in grads]
         for (shard, _, _, _), piece in zip(shards, torch.split(out, sizes)):
             _add_grad(shard, piece.view(shard._local_tensor.shape))
 
