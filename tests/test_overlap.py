@@ -61,6 +61,41 @@ def test_bucketed_reduction_keeps_gradients_and_accumulates(sim_mesh, shape):
         assert_close(f"grad of {name}", whole(p.grad), dict(ref.named_parameters())[name].grad)
 
 
+def test_each_bucket_reduces_before_the_earlier_layers_backward(sim_mesh, monkeypatch):
+    """A bucket's reduction runs as soon as its gradients exist, while the backward of the
+    earlier layers is still to run: the autograd engine runs the ready node created last first,
+    so a bucket created ahead of the whole forward ran after the whole backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoparallel.runtime_kernels import grad_reduction
+
+    events = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    backward = grad_reduction._BucketReduction.backward
+
+    def logged(ctx, *grads):
+        events.append("bucket")
+        return backward(ctx, *grads)
+
+    monkeypatch.setattr(grad_reduction._BucketReduction, "backward", staticmethod(logged))
+    mesh = sim_mesh((2,))
+    with LocalTensorMode(frozenset(range(mesh.size()))):
+        pmodel = autoparallel.autoparallelize(MLP(hidden=64, layers=4), _mlp_inputs(), device_mesh=mesh,
+                                              parallelism="data", bucket_cap_mb=0.02)
+        loss = pmodel(x=torch.randn(8, 64), y=torch.randn(8, 64))
+        with Products():
+            loss.backward()
+    assert events.count("bucket") >= 3
+    last_mm = max(i for i, e in enumerate(events) if e == "mm")
+    assert events.index("bucket") < last_mm, events
+
+
 def _check_schedule(graph) -> int:
     """Every wait is followed, up to its first reader, only by ops computed from parameters
     (prefetched gathers and their inputs); returns how many parameter gathers are issued
