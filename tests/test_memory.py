@@ -415,3 +415,16 @@ def test_a_layers_stages_joined_where_the_residual_crosses():
     assert by_module["transformer.h.1.ln_1"] == by_module["transformer.h.1.attn.c_attn"]
     assert by_module["transformer.h.1.ln_2"] == by_module["transformer.h.1.mlp.c_fc"]
     assert by_module["transformer.h.1.attn.c_attn"] != by_module["transformer.h.1.mlp.c_fc"]
+
+
+def test_a_slice_of_a_replicated_parameter_is_a_copy():
+    """The runtime cuts a device's piece of a replicated tensor with ``index_select``
+    (``local_piece``): a new tensor, which a consumer that saves its input keeps for the
+    backward (GPT-2's query, key and value slices of ``c_attn`` read split over the heads),
+    as a collective's result is; reading the layout held is no copy."""
+    from autoparallel.placement import R, Partial, Shard
+    from autoparallel.solver.memory import is_copy
+
+    assert is_copy((R,), (Shard(1),)) and is_copy((R, R), (R, Shard(0)))
+    assert is_copy((Shard(0),), (R,)) and is_copy((Partial(),), (R,))
+    assert not is_copy((R, Shard(0)), (R, Shard(0)))
