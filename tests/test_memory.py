@@ -184,12 +184,15 @@ def test_checkpointing_parity_and_measured_peak(sim_mesh):
         for p in pmodel.parameters():
             p.grad = None
         measured = _measured_peak(pmodel, batch) / len(ranks)
-    # the planner keeps its modelled peak within the budget; the model is within a few percent
-    # of the measured peak here (this plan measures 1.8 % over its model; ±10 % is the target on real processes,
-    # benchmarks/memory.py --processes), which a budget given in bytes does not leave room for
+    # the planner keeps its modelled peak within the budget; the model does not under-count the
+    # measured peak by more than a few percent (a budget given in bytes leaves no room for that),
+    # and over-counts it by no more than Rotor's chain is known to over-count a region spanning
+    # several stages (one tensor kept by several boundaries counted at each: docs/design.md,
+    # "Why the ckpt rows are over"): this plan (stages 2..4 recomputed) measures 11 % under its
+    # model; the one-stage region it took before slices were counted as copies, 1.8 % over
     modelled = pmodel.plan.estimate.peak_memory_bytes
     assert modelled <= budget, (modelled, budget)
-    assert abs(measured - modelled) <= 0.05 * modelled, (measured, modelled)
+    assert -0.15 * modelled <= measured - modelled <= 0.05 * modelled, (measured, modelled)
 
 
 @pytest.mark.parametrize("checkpointing, tolerance", [("off", 0.03), ("full", 0.08)])
