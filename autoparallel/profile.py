@@ -39,7 +39,7 @@ from torch.utils.flop_counter import sdpa_flop_count
 from . import cache
 from .mesh import MeshSpec
 from .options import PlanOptions
-from .runtime_kernels.experts import ROUTED_EXPERTS, routed_experts
+from .runtime_kernels.experts import ROUTED_EXPERTS, routed_experts, routed_experts_flops
 from .solver.pipeline import plan_traced
 from .tracer import capture
 from .solver.costs import COLLECTIVES, PROFILE_FORMAT, WORLD_COLLECTIVES, CollectiveTable, CommProfile, CostModel, DevicePreset, profile_key
@@ -518,8 +518,7 @@ def _experts_efficiency(device: torch.device, rates: DevicePreset,
         weights = torch.rand(tokens, k, dtype=dtype, requires_grad=True)
         gate_up = torch.randn(experts, 2 * inter, hidden, dtype=dtype).mul_(0.02).requires_grad_(True)
         down = torch.randn(experts, hidden, inter, dtype=dtype).mul_(0.02).requires_grad_(True)
-    pairs = tokens * k
-    flops = 2 * pairs * hidden * 2 * inter + 2 * pairs * inter * hidden  # the forward's two products per pair
+    flops = routed_experts_flops(*(t.shape for t in (x, index, weights, gate_up, down)))
     traffic = sum(t.nbytes for t in (x, index, weights, gate_up, down)) + x.nbytes  # inputs and output
     priced = CostModel(rates).compute_time(ROUTED_EXPERTS, flops, traffic, dtype, True)
     return priced / _median_time(lambda: routed_experts(x, index, weights, gate_up, down, "silu").sum().backward(),

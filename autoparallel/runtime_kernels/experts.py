@@ -177,7 +177,8 @@ act) -> (T, H)``, :func:`routed_experts` on whole tensors."""
 
 
 @register_flop_formula(torch.ops.autoparallel.routed_experts)
-def _flops(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *args, out_shape=None, **kwargs) -> int:
-    """Two products per routed pair: ``(H → 2I)`` and ``(I → H)``, 2 FLOPs per multiply-add."""
+def routed_experts_flops(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *args, out_shape=None, **kwargs) -> int:
+    """Forward FLOPs from the inputs' shapes (as torch's flop counter passes them): two products per
+    routed pair, ``(H → 2I)`` and ``(I → H)``, 2 FLOPs per multiply-add."""
     pairs = top_k_index[0] * top_k_index[1]
     return 2 * pairs * gate_up_proj[1] * gate_up_proj[2] + 2 * pairs * down_proj[1] * down_proj[2]
